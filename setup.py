@@ -18,7 +18,7 @@ patch_packages = ["lmcache_backend.patches"] + [
 setup(
     name="lmcache-backend",
     version="0.1.0",
-    description="CacheBlend (non-prefix KV-cache reuse) for vLLM and vllm-ascend on CUDA, Ascend and CPU",
+    description="CacheBlend (non-prefix KV-cache reuse) for vLLM on CUDA, Ascend and CPU",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
@@ -34,6 +34,7 @@ setup(
         "tqdm>=4.60",
         "safetensors>=0.4",
         "numpy>=1.24",
+        "redis>=5.0",
     ],
     extras_require={
         "cuda": ["triton>=3.0"],
@@ -52,5 +53,9 @@ setup(
     },
     entry_points={
         "console_scripts": ["lmcache-backend=lmcache_backend.cli:main"],
+        # Loaded by vLLM in every process: records the loaded model for the connector.
+        "vllm.general_plugins": [
+            "lmcache_backend = lmcache_backend.integration.vllm.plugin:register"
+        ],
     },
 )

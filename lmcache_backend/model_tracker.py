@@ -21,9 +21,14 @@ class ModelTracker:
 
     @classmethod
     def register_model(cls, instance_id: str, model: Any) -> None:
-        """Record ``model`` for ``instance_id`` (replaces an earlier registration)."""
+        """Record ``model`` for ``instance_id`` (replaces an earlier registration).
+
+        When LMCache is installed the model is also registered in LMCache's
+        ``VLLMModelTracker`` under LMCache's engine name, so LMCache's own blender finds it.
+        """
         with cls._lock:
             cls._models[instance_id] = model
+        _register_with_lmcache(model)
 
     @classmethod
     def get_model(cls, instance_id: str = ENGINE_NAME) -> Any:
@@ -49,3 +54,14 @@ class ModelTracker:
     def unregister_model(cls, instance_id: str) -> None:
         with cls._lock:
             cls._models.pop(instance_id, None)
+
+
+def _register_with_lmcache(model: Any) -> bool:
+    """Register ``model`` in LMCache's tracker if LMCache is importable; returns whether it was."""
+    try:
+        from lmcache.integration.vllm.utils import ENGINE_NAME as LMCACHE_ENGINE_NAME
+        from lmcache.v1.compute.models.utils import VLLMModelTracker
+    except ImportError:
+        return False
+    VLLMModelTracker.register_model(LMCACHE_ENGINE_NAME, model)
+    return True

@@ -4,8 +4,8 @@ A key is ``sha256(model fingerprint, segment token ids)``, so a segment is never
 model or configuration. A value (:class:`SegmentKV`) holds every layer's K (post-RoPE, rotated at
 the positions it was computed at) and V, plus the position of its first token.
 
-This module holds the interface and the in-process tier (:class:`LocalCPUStore`, an LRU bounded in
-bytes). Other tiers implement :class:`SegmentStore` too.
+This module holds the key, the value and the store interface; the tiers (device, CPU, disk, Redis)
+live in :mod:`lmcache_backend.storage`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,64 +108,3 @@ class SegmentStore(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes held by the entries."""
-
-
-class LocalCPUStore(SegmentStore):
-    """In-process LRU store bounded by ``max_bytes``; a hit moves the entry to the front.
-
-    Values are kept on the CPU (``Tensor.to("cpu")``) so device memory is not held by the cache.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        if max_bytes <= 0:
-            raise ValueError(f"LocalCPUStore: max_bytes must be positive, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, SegmentKV] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> SegmentKV | None:
-        with self._lock:
-            kv = self._entries.get(key)
-            if kv is not None:
-                self._entries.move_to_end(key)
-            return kv
-
-    def put(self, key: str, kv: SegmentKV) -> bool:
-        if kv.nbytes > self.max_bytes:
-            logger.warning(
-                "segment of %d tokens (%d bytes) exceeds the store capacity of %d bytes; not stored",
-                kv.num_tokens,
-                kv.nbytes,
-                self.max_bytes,
-            )
-            return False
-        cpu_kv = SegmentKV(kv.keys.to("cpu"), kv.values.to("cpu"), kv.start_position)
-        with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return True
-            while self._bytes + cpu_kv.nbytes > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
-            self._entries[key] = cpu_kv
-            self._bytes += cpu_kv.nbytes
-            return True
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0
-
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return self._bytes
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)

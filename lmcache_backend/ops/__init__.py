@@ -70,7 +70,9 @@ def _with_verifier(backend: str, op: str, fn: Callable, verify: Callable) -> Cal
         key = (backend, op, reason)
         if key not in _declined_logged:
             _declined_logged.add(key)
-            logger.info("%s backend declined %s (%s); using the torch reference", backend, op, reason)
+            logger.info(
+                "%s backend declined %s (%s); using the torch reference", backend, op, reason
+            )
         return reference(*args, **kwargs)
 
     return call
@@ -103,7 +105,7 @@ def _load_backend(name: str) -> Ops:
     return Ops(name=name, **ops, served_by=tuple(served_by))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _get_ops_cached(name: str) -> Ops:
     if name != "auto":
         return _load_backend(name)

@@ -9,6 +9,8 @@ Shapes: ``T`` tokens, ``H`` heads (``Hq`` query heads, ``Hkv`` key/value heads),
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -93,9 +95,12 @@ def rope_rerotate_k(
 
 def token_deviation(k_fresh: torch.Tensor, k_cached: torch.Tensor) -> torch.Tensor:
     """Squared L2 distance per token, fp32: ``[T, ...] x [T, ...] -> [T]``."""
-    diff = k_fresh.reshape(k_fresh.shape[0], -1).float() - k_cached.reshape(
-        k_cached.shape[0], -1
-    ).float()
+    # explicit width: reshape(0, -1) is ambiguous and raises for an empty selection
+    width = math.prod(k_fresh.shape[1:])
+    diff = (
+        k_fresh.reshape(k_fresh.shape[0], width).float()
+        - k_cached.reshape(k_cached.shape[0], width).float()
+    )
     return (diff * diff).sum(dim=-1)
 
 
@@ -224,10 +229,12 @@ def paged_kv_write(
     slots = slot_mapping.to(device=key.device, dtype=torch.int64)
     keep = slots >= 0
     slots = slots[keep]
-    flat_k = key_cache.view(-1, *key_cache.shape[2:])
-    flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    flat_k.index_copy_(0, slots, key[keep].to(flat_k.dtype))
-    flat_v.index_copy_(0, slots, value[keep].to(flat_v.dtype))
+    # block/row indexing works on any strides (e.g. the ``kv_cache[:, 0]`` view of a cache
+    # laid out as [num_blocks, 2, block_size, H, D]), where ``view(-1, ...)`` would raise
+    block_size = key_cache.shape[1]
+    blocks, rows = slots // block_size, slots % block_size
+    key_cache[blocks, rows] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, rows] = value[keep].to(value_cache.dtype)
 
 
 def paged_kv_read(
@@ -240,9 +247,9 @@ def paged_kv_read(
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
     if bool((slots < 0).any()):
         raise ValueError("paged_kv_read: slot_mapping holds negative (padding) slots")
-    flat_k = key_cache.view(-1, *key_cache.shape[2:])
-    flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    return flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+    block_size = key_cache.shape[1]
+    blocks, rows = slots // block_size, slots % block_size
+    return key_cache[blocks, rows], value_cache[blocks, rows]
 
 
 REFERENCE_OPS = {

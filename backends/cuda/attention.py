@@ -1,0 +1,235 @@
+"""Attention of selected queries over all keys with the exact per-position causal mask.
+
+Flash-attention-style: each program owns a tile of query rows of one KV head and walks the key
+tiles with an online softmax in fp32. A query at position ``p`` sees keys ``0..p``; the mask is a
+compare of key index and query position inside the tile (no ``Nq x Nk`` mask exists), and the
+walk stops at the largest position of the tile, so key tiles past every query are never loaded.
+
+Grouped-query attention: the query heads that share one KV head are packed into the rows of the
+same tile (row ``r`` is query ``r // G``, head ``kv_head * G + r % G``), so each K/V tile is loaded
+once for the whole group, and a group of 3 wastes nothing on padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import device_of, device_reason, float_dtype_reason, index_reason, interpret_mode
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attention_at_positions_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    out_ptr,
+    num_q,
+    num_k,
+    group,
+    qk_scale_log2,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_q * group
+    q_idx = (rows // group).to(tl.int64)
+    q_head = (kv_head * group + rows % group).to(tl.int64)
+    dk = tl.arange(0, HEAD_DIM)
+    dv = tl.arange(0, HEAD_DIM_V)
+
+    # Padding rows take position 0: they see key 0 only, so no row is ever fully masked.
+    pos = tl.load(pos_ptr + q_idx, mask=row_mask, other=0).to(tl.int32)
+    q = tl.load(
+        q_ptr + q_idx[:, None] * stride_qn + q_head[:, None] * stride_qh + dk[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+
+    # Keys beyond the largest position of this tile are masked for every row: never load them.
+    key_end = tl.minimum(tl.max(pos, axis=0) + 1, num_k)
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    for start in range(0, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = keys < key_end
+        keys64 = keys.to(tl.int64)
+        k = tl.load(
+            k_base + keys64[None, :] * stride_kn + dk[:, None], mask=key_mask[None, :], other=0.0
+        )
+        if DOT_FP32:
+            qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            qk = tl.dot(q, k.to(q.dtype))
+        visible = keys[None, :] <= pos[:, None]
+        s = tl.where(visible, qk * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_base + keys64[:, None] * stride_vn + dv[None, :], mask=key_mask[:, None], other=0.0
+        )
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            # Probabilities in [0, 1] lose nothing that matters in the 16-bit storage dtype,
+            # and the 16-bit dot runs on tensor cores with fp32 accumulation.
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_idx[:, None] * stride_on + q_head[:, None] * stride_oh + dv[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch_config(head_dim: int, head_dim_v: int, fp32: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` that fit one program's registers and shared
+    memory: 64 x 64 tiles are the usual flash-attention choice for 16-bit head dims up to 128;
+    fp32 or 256-wide heads take 32 x 32 tiles and two pipeline stages. fp32 with 256-wide heads
+    takes one stage: two already need 100 KB of shared memory, over the 99 KB of sm_86/sm_89."""
+    widest = max(head_dim, head_dim_v)
+    if fp32 and widest >= 256:
+        return 32, 32, 4, 1
+    if fp32 or widest >= 256:
+        return 32, 32, 4, 2
+    return 64, 64, 4, 3
+
+
+def attention_at_positions(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of selected queries over all keys with the exact per-position causal mask.
+
+    Args:
+        q: ``[Nq, Hq, D]`` fp32/fp16/bf16; any strides (the last dim is made contiguous).
+        k: ``[Nk, Hkv, D]``, ``v``: ``[Nk, Hkv, Dv]``, same dtype as ``q``; row ``j`` is
+            position ``j``. ``Hq`` a multiple of ``Hkv``; ``D`` and ``Dv`` powers of two in
+            ``[16, 256]``.
+        q_positions: ``[Nq]`` int32/int64 positions in ``[0, Nk)``.
+        scale: softmax scale (usually ``D ** -0.5``).
+        out: optional ``[Nq, Hq, Dv]`` tensor of ``q.dtype`` to write into (any strides with a
+            contiguous last dim).
+
+    Returns:
+        ``[Nq, Hq, Dv]`` in ``q.dtype`` (``out`` when given): a query at position ``p`` attends
+        keys ``0..p`` (fp32 softmax and accumulation; fp32 inputs use exact fp32 dots, not TF32).
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_k, num_kv_heads, head_dim_v = v.shape
+    shape = (num_q, num_heads, head_dim_v)
+    if out is None:
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    elif out.shape != shape or out.dtype != q.dtype or (out.numel() and out.stride(-1) != 1):
+        raise ValueError(f"attention_at_positions: out must be a {q.dtype} tensor of {shape}")
+    if num_q == 0 or num_heads == 0:
+        return out
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    positions = q_positions.to(device=q.device).contiguous()
+    group = num_heads // num_kv_heads
+    fp32 = q.dtype == torch.float32
+    # Triton's interpreter multiplies the raw bits of bf16 dot operands (triton-lang/triton
+    # issue 11584), so there bf16 tiles are widened to fp32 before each dot.
+    dot_fp32 = fp32 or (interpret_mode() and q.dtype == torch.bfloat16)
+    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, head_dim_v, fp32)
+    grid = (triton.cdiv(num_q * group, block_m), num_kv_heads)
+    with device_of(q):
+        _attention_at_positions_kernel[grid](
+            q,
+            k,
+            v,
+            positions,
+            out,
+            num_q,
+            num_k,
+            group,
+            float(scale) * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_V=head_dim_v,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            DOT_FP32=dot_fp32,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    return out
+
+
+def _pow2_head_dim(d: int) -> bool:
+    return 16 <= d <= 256 and d & (d - 1) == 0
+
+
+def verify_attention_at_positions(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+) -> str | None:
+    """Reason to leave a call to the reference, or ``None`` when the kernel serves it."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return "q, k, v must be 3-D [N, H, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        reason = float_dtype_reason(name, t)
+        if reason:
+            return reason
+    if not q.dtype == k.dtype == v.dtype:
+        return f"mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    if k.shape[:2] != v.shape[:2]:
+        return f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree on [Nk, Hkv]"
+    if q.shape[2] != k.shape[2]:
+        return f"q head dim {q.shape[2]} differs from k head dim {k.shape[2]}"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads"
+    if not (_pow2_head_dim(q.shape[2]) and _pow2_head_dim(v.shape[2])):
+        return f"head dims {q.shape[2]}/{v.shape[2]} are not powers of two in [16, 256]"
+    if k.shape[0] == 0:
+        return "no keys"
+    reason = index_reason("q_positions", q_positions, q.shape[0])
+    if reason:
+        return reason
+    return device_reason(q, k, v)

@@ -1,0 +1,402 @@
+"""``LMCBlender``: CacheBlend over a model adapter and the op registry.
+
+One request, ``T`` tokens at positions ``0..T-1``:
+
+1. split the tokens on the separator and look the segments up (hits give per-layer K/V computed
+   at other positions, ``valid_mask`` marks their rows);
+2. layer by layer, compute fresh q/k/v for the *active* tokens (all tokens until the first check
+   layer); re-rotate the cached keys from their old positions to the new ones;
+3. at a check layer, keep the ``ratio * num_reusable`` valid tokens whose fresh key deviates most
+   from the cached one, plus every uncached token and the last token; only those stay active;
+4. the blended K/V are the cached rows with the active tokens' fresh rows scattered in; each
+   active query at position ``p`` attends keys ``0..p`` of them (exact causal mask);
+5. o_proj and MLP run for the active tokens only; the last token's logits come out at the end.
+
+With fewer reusable tokens than ``blend_min_tokens`` (or a prompt longer than the model's exact
+attention span) the same loop runs with every token active: a full prefill, logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from lmcache_backend.blend.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
+from lmcache_backend.config import BlendConfig
+from lmcache_backend.models.base import ModelAdapter
+from lmcache_backend.ops import Ops, get_ops
+from lmcache_backend.store import SegmentStore
+
+logger = logging.getLogger(__name__)
+
+
+class KVLayerWriter(Protocol):
+    """Receives each layer's blended K/V as soon as it is final (e.g. into a paged cache)."""
+
+    def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``keys``, ``values``: ``[T, Hkv, D]`` for every token of the request."""
+
+
+@dataclass
+class BlendMetadata:
+    """Per-request state carried from layer to layer (``attn_metadata`` of ``process_qkv``).
+
+    Attributes:
+        positions: ``[T]`` int64 positions of the prompt's tokens.
+        active: ``[N]`` int64 sorted indices of the tokens still computed; the last token is
+            always among them.
+        valid_mask: ``[T]`` bool: the token's cached K/V is reused.
+        num_reusable: number of valid tokens; every check layer's ratio applies to it.
+        schedule: check layer -> ratio.
+        task: the retrieval, or None when nothing is reused.
+        cached_prefix: per-layer ``[P, Hkv, D]`` K and V of tokens ``0..P-1`` that were
+            computed at their current positions (e.g. already in the engine's paged cache).
+        keys, values: blended ``[T, Hkv, D]`` per finished layer.
+        token_layers: sum over layers of the number of tokens computed.
+        fallback_reason: why the request runs as a full prefill, or None when it blends.
+    """
+
+    positions: torch.Tensor
+    active: torch.Tensor
+    valid_mask: torch.Tensor
+    num_reusable: int
+    schedule: dict[int, float]
+    task: SPTBlendRetrieverTask | None
+    cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    token_layers: int = 0
+    fallback_reason: str | None = None
+
+
+@dataclass
+class BlendResult:
+    """What a blended (or fallen-back) prefill produced.
+
+    Attributes:
+        logits: ``[vocab]`` fp32 logits of the last token.
+        keys, values: per layer ``[T, Hkv, D]`` blended K/V of every token, ready for decoding.
+        valid_mask: ``[T]`` bool (CPU): tokens whose cached K/V was reused.
+        recomputed: ``[N]`` int64 (CPU): tokens computed in the last layer.
+        num_reusable: valid tokens at the start.
+        token_layers: sum over layers of tokens computed (``T * L`` for a full prefill).
+        fallback_reason: why blending fell back to a full prefill, or None if it blended.
+    """
+
+    logits: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    valid_mask: torch.Tensor
+    recomputed: torch.Tensor
+    num_reusable: int
+    token_layers: int
+    fallback_reason: str | None
+
+    @property
+    def blended(self) -> bool:
+        return self.fallback_reason is None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.valid_mask.numel())
+
+    @property
+    def recomputed_reusable(self) -> int:
+        """Reusable tokens recomputed in the last layer (excludes uncached tokens)."""
+        return int(self.valid_mask[self.recomputed].sum())
+
+
+class LMCBlender:
+    """CacheBlend for one model (LMCache's ``lmcache.v1.compute.blend.blender.LMCBlender``).
+
+    Args:
+        cache_engine: the segment store.
+        gpu_connector: optional :class:`KVLayerWriter` receiving each layer's blended K/V.
+        config: validated settings (check layers, ratios, ``blend_min_tokens``, backend).
+        model: the model adapter.
+        separator: the separator's token ids (``blend_special_str`` encoded without special
+            tokens, see :func:`lmcache_backend.segmenting.separator_token_ids`).
+        ops: op set; defaults to ``get_ops(config.backend)``.
+    """
+
+    def __init__(
+        self,
+        cache_engine: SegmentStore,
+        gpu_connector: KVLayerWriter | None,
+        config: BlendConfig,
+        model: ModelAdapter,
+        separator: Sequence[int],
+        ops: Ops | None = None,
+    ) -> None:
+        config.validate_for_model(model.num_layers)
+        self.cache_engine = cache_engine
+        self.gpu_connector = gpu_connector
+        self.config = config
+        self.model = model
+        self.ops = ops or get_ops(config.backend)
+        self.retriever = SPTBlendRetriever(
+            separator, cache_engine, model.fingerprint, device=model.device, dtype=model.dtype
+        )
+
+    # -- request set-up -------------------------------------------------------------------
+
+    def start_request(
+        self,
+        tokens: torch.Tensor | Sequence[int],
+        mask: torch.Tensor | None = None,
+        *,
+        cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+        recompute: torch.Tensor | None = None,
+    ) -> BlendMetadata:
+        """Look the request's segments up and decide whether to blend.
+
+        Args:
+            tokens: ``[T]`` token ids.
+            mask: optional ``[T]`` bool; False excludes a token from reuse.
+            cached_prefix: optional ``(keys, values)``, per layer ``[P, Hkv, D]``: K/V of the
+                first ``P`` tokens computed at their current positions (vLLM's prefix-cache
+                hits). They count as reusable and need no re-rotation.
+            recompute: optional ``[T]`` bool: a fixed set of tokens recomputed in every layer
+                (e.g. EPIC's first tokens of each chunk) instead of the check-layer selection;
+                uncached tokens and the last token are added.
+        """
+        token_list = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        num_tokens = len(token_list)
+        if num_tokens == 0:
+            raise ValueError("LMCBlender: the prompt holds no tokens")
+        device = self.model.device
+        task = self.retriever.new_request(token_list, None)
+        valid = task.valid_mask.clone()
+        if cached_prefix is not None:
+            prefix_len = cached_prefix[0][0].shape[0] if len(cached_prefix[0]) else 0
+            if len(cached_prefix[0]) != self.model.num_layers or prefix_len > num_tokens:
+                raise ValueError(
+                    f"cached_prefix must hold {self.model.num_layers} layers of at most "
+                    f"{num_tokens} tokens, got {len(cached_prefix[0])} layers of {prefix_len}"
+                )
+            valid[:prefix_len] = True
+        for name, flags in (("mask", mask), ("recompute", recompute)):
+            if flags is not None and flags.numel() != num_tokens:
+                raise ValueError(f"{name} has {flags.numel()} entries for {num_tokens} tokens")
+        if mask is not None:
+            valid &= mask.to("cpu", torch.bool)
+        num_reusable = int(valid.sum())
+        reason = None
+        span = self.model.max_exact_tokens
+        if span is not None and num_tokens > span:
+            reason = f"{num_tokens} tokens exceed the model's sliding window of {span}"
+        elif num_reusable < self.config.blend_min_tokens:
+            reason = (
+                f"{num_reusable} reusable tokens < blend_min_tokens={self.config.blend_min_tokens}"
+            )
+        if reason is not None:
+            logger.info("CacheBlend falls back to a full prefill: %s", reason)
+            valid.zero_()
+            num_reusable = 0
+        active = torch.arange(num_tokens)
+        schedule = dict(self.config.check_schedule()) if num_reusable else {}
+        if recompute is not None and num_reusable:
+            chosen = recompute.to("cpu", torch.bool) | ~valid
+            chosen[-1] = True
+            active = torch.nonzero(chosen, as_tuple=False).flatten()
+            schedule = {}
+        return BlendMetadata(
+            positions=torch.arange(num_tokens, device=device),
+            active=active.to(device),
+            valid_mask=valid.to(device),
+            num_reusable=num_reusable,
+            schedule=schedule,
+            task=task if num_reusable else None,
+            cached_prefix=cached_prefix if num_reusable else None,
+            fallback_reason=reason,
+        )
+
+    # -- one layer ------------------------------------------------------------------------
+
+    def _cached_layer(
+        self, layer_id: int, meta: BlendMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Retrieved ``[T, Hkv, D]`` K/V of ``layer_id``, keys re-rotated to the new positions."""
+        model, num_tokens = self.model, meta.positions.numel()
+        res = meta.task.result(layer_id)
+        original = res.original_positions
+        if res.k is None:  # no store hit: only the cached prefix is reused
+            shape = (num_tokens, model.num_kv_heads, model.head_dim)
+            keys = torch.zeros(shape, dtype=model.dtype, device=model.device)
+            values = torch.zeros_like(keys)
+        else:
+            keys = res.k.view(num_tokens, model.num_kv_heads, model.head_dim)
+            values = res.v.view(num_tokens, model.num_kv_heads, model.head_dim)
+        if meta.cached_prefix is not None:
+            prefix_k, prefix_v = meta.cached_prefix[0][layer_id], meta.cached_prefix[1][layer_id]
+            n = prefix_k.shape[0]
+            keys[:n] = prefix_k.reshape(n, model.num_kv_heads, model.head_dim)
+            values[:n] = prefix_v.reshape(n, model.num_kv_heads, model.head_dim)
+            original = original.clone()
+            original[:n] = meta.positions[:n]
+        moved = torch.nonzero(
+            meta.valid_mask & (original != meta.positions), as_tuple=False
+        ).flatten()
+        if moved.numel():
+            rows = self.ops.gather_rows(keys, moved)
+            self.ops.rope_rerotate_k(
+                rows,
+                original[moved],
+                meta.positions[moved],
+                model.cos_sin_cache,
+                model.is_neox,
+            )
+            self.ops.scatter_rows(keys, moved, rows)
+        return keys, values
+
+    def process_qkv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        residual: torch.Tensor,
+        layer_id: int,
+        attn_output: torch.Tensor | None,
+        attn_metadata: BlendMetadata,
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, BlendMetadata
+    ]:
+        """Blend one layer.
+
+        Args:
+            q: ``[N, Hq, D]``, k, v: ``[N, Hkv, D]`` fresh (post-RoPE) for the active tokens.
+            residual: ``[N, hidden]`` hidden states of the active tokens before this layer.
+            layer_id: the layer.
+            attn_output: optional ``[N, ...]`` buffer, reduced like ``q`` at a check layer.
+            attn_metadata: the request's :class:`BlendMetadata` (updated in place).
+
+        Returns:
+            ``(q, keys, values, residual, attn_output, attn_metadata)``: q/residual/attn_output
+            reduced to the tokens still active, and the blended ``[T, Hkv, D]`` K/V.
+        """
+        meta = attn_metadata
+        num_tokens = meta.positions.numel()
+        all_active = meta.active.numel() == num_tokens
+        is_check = layer_id in meta.schedule
+        if meta.task is not None and (is_check or not all_active):
+            keys, values = self._cached_layer(layer_id, meta)
+        elif all_active:
+            # Every row is about to be replaced by a fresh one: nothing to retrieve.
+            keys, values = k, v
+        else:  # pragma: no cover - a subset is active only after a check layer with a task
+            raise AssertionError("active subset without cached K/V")
+        if is_check:
+            keep = self.ops.kv_deviation_topk(
+                k,
+                self.ops.gather_rows(keys, meta.active),
+                meta.valid_mask[meta.active],
+                meta.schedule[layer_id],
+                meta.num_reusable,
+            )
+            last = meta.active.numel() - 1
+            if keep.numel() == 0 or int(keep[-1]) != last:  # the last token always stays
+                keep = torch.cat([keep, torch.tensor([last], device=keep.device)])
+            meta.active = meta.active[keep]
+            q, k, v, residual = (self.ops.gather_rows(t, keep) for t in (q, k, v, residual))
+            if attn_output is not None:
+                attn_output = self.ops.gather_rows(attn_output, keep)
+        if keys is not k:
+            self.ops.scatter_rows(keys, meta.active, k)
+            self.ops.scatter_rows(values, meta.active, v)
+        meta.keys.append(keys)
+        meta.values.append(values)
+        meta.token_layers += meta.active.numel()
+        return q, keys, values, residual, attn_output, meta
+
+    # -- whole request --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def blend_layer(
+        self,
+        tokens: torch.Tensor | Sequence[int],
+        mask: torch.Tensor | None = None,
+        **request: Any,
+    ) -> Generator[int, None, BlendResult]:
+        """Run the request layer by layer, yielding each finished layer id; the generator's
+        return value (``StopIteration.value``) is the :class:`BlendResult`. ``request`` takes
+        :meth:`start_request`'s keyword arguments (``cached_prefix``, ``recompute``)."""
+        model = self.model
+        meta = self.start_request(tokens, mask, **request)
+        token_ids = torch.as_tensor(tokens, dtype=torch.int64)
+        hidden = model.embed(token_ids[meta.active.cpu()])  # all tokens unless a fixed selection
+        for layer in range(model.num_layers):
+            x = model.attention_input(layer, hidden)
+            q, k, v = model.qkv(layer, x, meta.positions[meta.active])
+            q, keys, values, hidden, _, meta = self.process_qkv(q, k, v, hidden, layer, None, meta)
+            attn = self.ops.attention_at_positions(
+                q, keys, values, meta.positions[meta.active], model.attn_scale
+            )
+            hidden = hidden + model.attention_output(layer, attn)
+            hidden = model.mlp_block(layer, hidden)
+            if self.gpu_connector is not None:
+                self.gpu_connector.write_layer(layer, keys, values)
+            yield layer
+        return BlendResult(
+            logits=model.logits(hidden[-1:])[0],
+            keys=meta.keys,
+            values=meta.values,
+            valid_mask=meta.valid_mask.cpu(),
+            recomputed=meta.active.cpu(),
+            num_reusable=meta.num_reusable,
+            token_layers=meta.token_layers,
+            fallback_reason=meta.fallback_reason,
+        )
+
+    def blend(
+        self,
+        tokens: torch.Tensor | Sequence[int],
+        mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> BlendResult:
+        """Run CacheBlend for one request; see the module docstring. ``kwargs`` may hold
+        :meth:`start_request`'s ``cached_prefix`` and ``recompute``; other keys (LMCache passes
+        KV buffers this way) are ignored."""
+        request = {k: kwargs[k] for k in ("cached_prefix", "recompute") if k in kwargs}
+        steps = self.blend_layer(tokens, mask, **request)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+
+class LMCBlenderBuilder:
+    """One :class:`LMCBlender` per engine instance id (LMCache's ``LMCBlenderBuilder``)."""
+
+    _blenders: dict[str, LMCBlender] = {}
+
+    @classmethod
+    def get_or_create(
+        cls,
+        instance_id: str,
+        cache_engine: SegmentStore,
+        gpu_connector: KVLayerWriter | None,
+        config: BlendConfig,
+        model: ModelAdapter,
+        separator: Sequence[int],
+        ops: Ops | None = None,
+    ) -> LMCBlender:
+        """Return the blender of ``instance_id``, creating it on first call."""
+        if instance_id not in cls._blenders:
+            cls._blenders[instance_id] = LMCBlender(
+                cache_engine, gpu_connector, config, model, separator, ops
+            )
+        return cls._blenders[instance_id]
+
+    @classmethod
+    def get(cls, instance_id: str) -> LMCBlender:
+        """The blender of ``instance_id``; ``KeyError`` if none was created."""
+        return cls._blenders[instance_id]
+
+    @classmethod
+    def remove(cls, instance_id: str) -> None:
+        cls._blenders.pop(instance_id, None)

@@ -1,0 +1,105 @@
+"""``SPTBlendRetriever``: retrieval of cached K/V split on a special-token separator.
+
+Input ``[x, x, x, S, y, y, S, z, z, z, z]`` (``S`` the separator ids) is looked up as the
+segments ``[x, x, x, S]``, ``[y, y, S]`` and ``[z, z, z, z]``; each hit fills its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lmcache_backend.blend.interfaces import (
+    BlendRetriever,
+    BlendRetrieverResult,
+    BlendRetrieverTask,
+)
+from lmcache_backend.blend.segment_cache import SegmentCache
+from lmcache_backend.segmenting import Segment
+from lmcache_backend.store import ModelFingerprint, SegmentKV, SegmentStore
+
+
+class SPTBlendRetrieverTask(BlendRetrieverTask):
+    """The hits of one :meth:`SPTBlendRetriever.new_request`, materialised per layer on demand.
+
+    Attributes:
+        hits: ``(global start, segment KV)`` of each cached segment.
+        num_tokens: ``T``.
+        valid_mask: ``[T]`` bool (CPU).
+        original_positions: ``[T]`` int64 (on ``device``).
+    """
+
+    def __init__(
+        self,
+        hits: list[tuple[int, SegmentKV]],
+        num_tokens: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.hits = hits
+        self.num_tokens = num_tokens
+        self.device = device
+        self.dtype = dtype
+        valid = torch.zeros(num_tokens, dtype=torch.bool)
+        original = torch.zeros(num_tokens, dtype=torch.int64)
+        for start, kv in hits:
+            n = kv.num_tokens
+            valid[start : start + n] = True
+            original[start : start + n] = torch.arange(kv.start_position, kv.start_position + n)
+        self.valid_mask = valid
+        self.original_positions = original.to(device)
+
+    def result(self, layer_id: int) -> BlendRetrieverResult:
+        if not self.hits:
+            return BlendRetrieverResult(None, None, self.valid_mask, self.original_positions)
+        _, first = self.hits[0]
+        width = first.keys.shape[2] * first.keys.shape[3]
+        k = torch.zeros(self.num_tokens, width, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        for start, kv in self.hits:
+            n = kv.num_tokens
+            k[start : start + n] = kv.keys[layer_id].reshape(n, width).to(self.device, self.dtype)
+            v[start : start + n] = kv.values[layer_id].reshape(n, width).to(self.device, self.dtype)
+        return BlendRetrieverResult(k, v, self.valid_mask, self.original_positions)
+
+
+class SPTBlendRetriever(BlendRetriever):
+    """Retriever splitting on the separator token ids ``spt``.
+
+    Args:
+        spt: separator token ids (``[S]`` tensor or a sequence).
+        cache_engine: the segment store.
+        metadata: the model's fingerprint (keys entries, and gives the expected layout).
+        device, dtype: where and how retrieved K/V are returned.
+    """
+
+    def __init__(
+        self,
+        spt: torch.Tensor | Sequence[int],
+        cache_engine: SegmentStore,
+        metadata: ModelFingerprint,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        ids = spt.tolist() if isinstance(spt, torch.Tensor) else list(spt)
+        self.segment_cache = SegmentCache(cache_engine, metadata, ids)
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    def new_request(
+        self, input_tokens: torch.Tensor | Sequence[int], query_start_loc: torch.Tensor | None
+    ) -> SPTBlendRetrieverTask:
+        tokens = (
+            input_tokens.tolist() if isinstance(input_tokens, torch.Tensor) else list(input_tokens)
+        )
+        bounds = [0, len(tokens)] if query_start_loc is None else [int(b) for b in query_start_loc]
+        hits: list[tuple[int, SegmentKV]] = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            for segment, kv in self.segment_cache.lookup(tokens[lo:hi]):
+                if kv is not None:
+                    hits.append((lo + segment.start, kv))
+        return SPTBlendRetrieverTask(hits, len(tokens), self.device, self.dtype)
+
+    def segments(self, tokens: Sequence[int]) -> list[Segment]:
+        return self.segment_cache.segments(tokens)

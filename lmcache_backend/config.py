@@ -1,0 +1,336 @@
+"""CacheBlend configuration, LMCache-compatible.
+
+Every key has a type, a default, an environment variable ``LMCACHE_<KEY>`` and a one-line
+description (:data:`CONFIG_KEYS`). Sources, later ones overriding earlier ones:
+
+1. the defaults below;
+2. a YAML file named by ``LMCACHE_CONFIG_FILE`` (or the ``config_file`` argument);
+3. environment variables ``LMCACHE_<KEY>``;
+4. keyword arguments to :func:`load_config` (e.g. vLLM's ``kv_connector_extra_config``).
+
+Values are parsed once and validated; an error names the key, where it came from and the value.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "LMCACHE_"
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+BACKEND_CHOICES = ("auto", "torch", "cuda", "ascend")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and the value."""
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("expected true/false/1/0")
+
+
+def _split_list(value: Any) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [value]
+    text = str(value).strip().strip("[]")
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _parse_float_list(value: Any) -> list[float]:
+    if value is None:
+        return []
+    return [float(v) for v in _split_list(value)]
+
+
+def _parse_int_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    out = []
+    for v in _split_list(value):
+        if isinstance(v, float) and not v.is_integer():
+            raise ValueError(f"{v} is not an integer")
+        out.append(int(v))
+    return out
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError("expected an integer")
+    return int(value)
+
+
+def _parse_optional_str(value: Any) -> str | None:
+    if value is None:
+        return None
+    text = str(value)
+    return None if text.strip().lower() in ("", "none", "null") else text
+
+
+def _parse_dict(value: Any) -> dict:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    parsed = json.loads(str(value))
+    if not isinstance(parsed, dict):
+        raise ValueError("expected a JSON object")
+    return parsed
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    description: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+CONFIG_KEYS: tuple[ConfigKey, ...] = (
+    ConfigKey("enable_blending", _parse_bool, False, "master switch for CacheBlend"),
+    ConfigKey("blend_special_str", str, " # # ", "separator string between segments"),
+    ConfigKey(
+        "blend_recompute_ratios",
+        _parse_float_list,
+        [0.15],
+        "fraction of reusable tokens recomputed; one value, or one per check layer",
+    ),
+    ConfigKey("blend_check_layers", _parse_int_list, [1], "layers where tokens are selected"),
+    ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
+    ConfigKey("backend", str, "auto", "op backend: auto, torch, cuda or ascend"),
+    ConfigKey("use_layerwise", _parse_bool, True, "LMCache key; blending is always layerwise"),
+    ConfigKey("local_cpu", _parse_bool, True, "keep segments in CPU memory"),
+    ConfigKey("max_local_cpu_size", float, 5.0, "CPU segment store capacity in GB"),
+    ConfigKey("local_disk", _parse_optional_str, None, "folder for the disk tier (None: off)"),
+    ConfigKey("max_local_disk_size", float, 0.0, "disk tier capacity in GB"),
+    ConfigKey("remote_url", _parse_optional_str, None, "shared tier, e.g. redis://host:6379"),
+    ConfigKey("extra_config", _parse_dict, {}, "LMCache's free-form extra settings (JSON)"),
+)
+_KEYS_BY_NAME = {key.name: key for key in CONFIG_KEYS}
+
+# LMCache keys this package accepts and does not use, so an LMCache configuration loads without
+# warnings. Anything else unknown gets a warning naming the closest known key.
+LMCACHE_KEYS_IGNORED = frozenset(
+    {
+        "chunk_size",
+        "save_decode_cache",
+        "remote_serde",
+        "pre_caching_hash_algorithm",
+        "save_unfull_chunk",
+        "blocking_timeout_secs",
+        "enable_p2p",
+        "lookup_url",
+        "distributed_url",
+        "enable_controller",
+        "lmcache_instance_id",
+        "controller_url",
+        "lmcache_worker_port",
+        "use_mla",
+        "cufile_buffer_size",
+        "log_level",
+        "config_file",
+        "enable_async_loading",
+        "internal_api_server_enabled",
+    }
+)
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """Validated CacheBlend settings. Build with :func:`load_config`."""
+
+    enable_blending: bool = False
+    blend_special_str: str = " # # "
+    blend_recompute_ratios: list[float] = field(default_factory=lambda: [0.15])
+    blend_check_layers: list[int] = field(default_factory=lambda: [1])
+    blend_min_tokens: int = 256
+    backend: str = "auto"
+    use_layerwise: bool = True
+    local_cpu: bool = True
+    max_local_cpu_size: float = 5.0
+    local_disk: str | None = None
+    max_local_disk_size: float = 0.0
+    remote_url: str | None = None
+    extra_config: dict = field(default_factory=dict)
+    # key -> where its value came from ("default", a file path, "LMCACHE_X", "argument")
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _where(self, key: str) -> str:
+        return self.sources.get(key, "argument")
+
+    def _fail(self, key: str, value: Any, why: str) -> ConfigError:
+        return ConfigError(f"{key} (from {self._where(key)}) = {value!r}: {why}")
+
+    def _validate(self) -> None:
+        ratios, layers = self.blend_recompute_ratios, self.blend_check_layers
+        if not layers:
+            raise self._fail("blend_check_layers", layers, "at least one check layer is needed")
+        if any(layer < 0 for layer in layers):
+            raise self._fail("blend_check_layers", layers, "layers must be >= 0")
+        if sorted(set(layers)) != list(layers):
+            raise self._fail("blend_check_layers", layers, "layers must be strictly increasing")
+        if not ratios:
+            raise self._fail("blend_recompute_ratios", ratios, "at least one ratio is needed")
+        for ratio in ratios:
+            if not 0.0 <= ratio <= 1.0:
+                raise self._fail(
+                    "blend_recompute_ratios",
+                    ratios,
+                    f"ratio {ratio} is outside [0, 1] (0 = naive reuse, 1 = recompute all)",
+                )
+        if len(ratios) not in (1, len(layers)):
+            raise self._fail(
+                "blend_recompute_ratios",
+                ratios,
+                f"give one ratio or one per check layer ({len(layers)} check layers: {layers})",
+            )
+        if self.blend_min_tokens < 0:
+            raise self._fail("blend_min_tokens", self.blend_min_tokens, "must be >= 0")
+        if self.blend_special_str == "":
+            raise self._fail("blend_special_str", self.blend_special_str, "must not be empty")
+        if self.backend not in BACKEND_CHOICES:
+            raise self._fail("backend", self.backend, f"choose one of {', '.join(BACKEND_CHOICES)}")
+        if self.max_local_cpu_size <= 0:
+            raise self._fail("max_local_cpu_size", self.max_local_cpu_size, "must be > 0 (GB)")
+        if self.max_local_disk_size < 0:
+            raise self._fail("max_local_disk_size", self.max_local_disk_size, "must be >= 0 (GB)")
+        if not self.use_layerwise and self.enable_blending:
+            logger.info("use_layerwise=False is ignored: CacheBlend always runs layer by layer")
+
+    def check_schedule(self) -> list[tuple[int, float]]:
+        """``[(check_layer, ratio), ...]`` with one ratio broadcast to every check layer.
+
+        Each ratio is a fraction of all reusable tokens of the prompt; a later check layer
+        selects among the tokens the earlier ones kept.
+        """
+        ratios = self.blend_recompute_ratios
+        if len(ratios) == 1:
+            ratios = ratios * len(self.blend_check_layers)
+        return list(zip(self.blend_check_layers, ratios))
+
+    def validate_for_model(self, num_layers: int) -> None:
+        """Raise :class:`ConfigError` if a check layer is beyond a model of ``num_layers``."""
+        for layer in self.blend_check_layers:
+            if layer >= num_layers:
+                raise self._fail(
+                    "blend_check_layers",
+                    self.blend_check_layers,
+                    f"layer {layer} does not exist: the model has {num_layers} layers "
+                    f"(0..{num_layers - 1})",
+                )
+
+    def replace(self, **changes: Any) -> BlendConfig:
+        """A copy with ``changes`` applied (parsed and validated like keyword arguments)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
+        sources = dict(self.sources)
+        for key, raw in changes.items():
+            values[key] = _parse_value(key, raw, "argument")
+            sources[key] = "argument"
+        return BlendConfig(**values, sources=sources)
+
+    def describe(self) -> str:
+        """One line per key: ``name = value  (source)``."""
+        return "\n".join(
+            f"{key.name} = {getattr(self, key.name)!r}  ({self.sources.get(key.name, 'default')})"
+            for key in CONFIG_KEYS
+        )
+
+
+def _parse_value(key: str, raw: Any, where: str) -> Any:
+    spec = _KEYS_BY_NAME[key]
+    try:
+        return spec.parse(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key} (from {where}) = {raw!r}: cannot parse ({exc})") from None
+
+
+def _warn_unknown(key: str, where: str) -> None:
+    if key in LMCACHE_KEYS_IGNORED:
+        logger.debug("LMCache setting %s (from %s) is not used by lmcache_backend", key, where)
+        return
+    close = difflib.get_close_matches(key, list(_KEYS_BY_NAME), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    logger.warning("unknown configuration key %r (from %s) ignored%s", key, where, hint)
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{CONFIG_FILE_ENV}: file {path!r} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{CONFIG_FILE_ENV}: {path!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{CONFIG_FILE_ENV}: {path!r} must hold a mapping of keys to values")
+    return data
+
+
+def load_config(
+    config_file: str | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> BlendConfig:
+    """Build the configuration from defaults, YAML file, environment and ``overrides``.
+
+    Args:
+        config_file: YAML path; defaults to ``$LMCACHE_CONFIG_FILE``.
+        env: environment mapping (defaults to ``os.environ``).
+        overrides: key=value pairs; highest precedence. ``None`` values are skipped.
+
+    Raises:
+        ConfigError: a value cannot be parsed or fails validation (the message names the key,
+            where the value came from and the value).
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    def take(key: str, raw: Any, where: str) -> None:
+        if key not in _KEYS_BY_NAME:
+            _warn_unknown(key, where)
+            return
+        values[key] = _parse_value(key, raw, where)
+        sources[key] = where
+
+    path = config_file or env.get(CONFIG_FILE_ENV)
+    if path:
+        for key, raw in _read_yaml(path).items():
+            take(str(key), raw, path)
+    for name, raw in env.items():
+        if name.startswith(ENV_PREFIX) and name != CONFIG_FILE_ENV:
+            take(name[len(ENV_PREFIX) :].lower(), raw, name)
+    for key, raw in overrides.items():
+        if raw is not None:
+            take(key, raw, "argument")
+    return BlendConfig(**values, sources=sources)

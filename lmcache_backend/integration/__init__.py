@@ -1,0 +1,1 @@
+"""Integrations with serving engines (vLLM) and with an installed LMCache."""

@@ -1,0 +1,89 @@
+"""The model-adapter interface: the per-layer primitives the blender needs.
+
+The blender never imports a model library; an adapter (HF transformers here, vLLM in the vLLM
+integration) exposes one decoder layer as four steps, for any subset of tokens:
+
+    x = attention_input(layer, h)                 # input norm
+    q, k, v = qkv(layer, x, positions)            # projections, q/k norm, RoPE at ``positions``
+    h = h + attention_output(layer, attn)         # o_proj and the residual
+    h = mlp_block(layer, h)                       # post-attention norm, MLP, residual
+
+Shapes: ``N`` tokens being computed, ``Hq``/``Hkv`` query/key-value heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from lmcache_backend.store import ModelFingerprint
+
+
+class ModelAdapter(ABC):
+    """One loaded decoder-only model seen layer by layer.
+
+    Attributes:
+        num_layers, num_heads, num_kv_heads, head_dim: the attention geometry.
+        attn_scale: softmax scale of the attention.
+        cos_sin_cache: ``[max_pos, R]`` fp32 rotation table (``R/2`` cosines, then ``R/2`` sines,
+            without any attention scaling) used to re-rotate cached keys.
+        is_neox: RoPE pairing (True: split halves, False: interleaved).
+        max_exact_tokens: longest prompt the blender's full attention reproduces exactly
+            (a sliding window shorter than the prompt would make it differ), or None.
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attn_scale: float
+    is_neox: bool
+    cos_sin_cache: torch.Tensor
+    max_exact_tokens: int | None = None
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    @abstractmethod
+    def fingerprint(self) -> ModelFingerprint: ...
+
+    @abstractmethod
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` int64 -> hidden states ``[T, hidden]``."""
+
+    @abstractmethod
+    def attention_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Input norm of ``layer``: ``[N, hidden] -> [N, hidden]``."""
+
+    @abstractmethod
+    def qkv(
+        self, layer: int, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [N, hidden]``, ``positions [N]`` -> ``q [N, Hq, D]``, ``k, v [N, Hkv, D]``, with
+        any q/k norm and RoPE at ``positions`` applied."""
+
+    @abstractmethod
+    def attention_output(self, layer: int, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection ``[N, Hq, D] -> [N, hidden]``; the caller adds the residual."""
+
+    @abstractmethod
+    def mlp_block(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden + mlp(post_attention_norm(hidden))``: ``[N, hidden] -> [N, hidden]``."""
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``[N, hidden] -> [N, vocab]`` (fp32)."""
+
+
+def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """vLLM-style ``[max_positions, 2 * len(inv_freq)]`` fp32 table: cosines then sines."""
+    positions = torch.arange(max_positions, dtype=torch.float64, device=inv_freq.device)
+    freqs = positions[:, None] * inv_freq.double()[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()

@@ -1,0 +1,134 @@
+"""Model adapter for HF transformers decoder models: Llama, Mistral, Qwen2, Qwen3.
+
+All four share one layout (``model.model.layers[i].self_attn.{q,k,v,o}_proj``, ``input_layernorm``,
+``post_attention_layernorm``, ``mlp``, NeoX-style RoPE from ``model.model.rotary_emb``); Qwen3 adds
+``q_norm``/``k_norm`` over the head dim before RoPE, Qwen2 adds q/k/v biases (inside the Linear).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import torch
+
+from lmcache_backend.models.base import ModelAdapter, rope_cos_sin_cache
+from lmcache_backend.store import ModelFingerprint
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def weights_digest(tensors: list[torch.Tensor]) -> str:
+    """A short hash of a few weight rows: tells fine-tunes of one architecture apart cheaply."""
+    h = hashlib.sha256()
+    for t in tensors:
+        rows = t.detach().reshape(t.shape[0], -1)[:4].float().cpu().contiguous()
+        h.update(rows.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class HFModelAdapter(ModelAdapter):
+    """Adapter over a ``transformers`` ``*ForCausalLM`` of a supported type.
+
+    Raises:
+        ValueError: the model type is not supported (the message lists the supported ones).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported by the HF adapter "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.model = model
+        self._decoder = model.model
+        self._layers = model.model.layers
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.attn_scale = float(self._layers[0].self_attn.scaling)
+        self.is_neox = True  # HF's rotate_half pairs feature i with i + D/2
+        rotary = self._decoder.rotary_emb
+        if getattr(rotary, "rope_type", "default") == "dynamic":
+            raise ValueError("dynamic RoPE scaling changes frequencies with length: not supported")
+        self._rotary = rotary
+        max_pos = int(getattr(config, "max_position_embeddings", 32768))
+        self.cos_sin_cache = rope_cos_sin_cache(rotary.inv_freq.float().cpu(), max_pos).to(
+            self.device
+        )
+        window = getattr(config, "sliding_window", None)
+        use_window = getattr(config, "use_sliding_window", window is not None)
+        self.max_exact_tokens = int(window) if (window and use_window) else None
+        self._model_type = model_type
+        rope_params = getattr(config, "rope_parameters", None) or {
+            "rope_theta": getattr(config, "rope_theta", None),
+            "rope_scaling": getattr(config, "rope_scaling", None),
+        }
+        self._fingerprint = ModelFingerprint(
+            architecture=type(model).__name__,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope=f"{sorted(rope_params.items())},neox={self.is_neox}",
+            dtype=str(self.dtype),
+            weights_digest=weights_digest(
+                [self._decoder.embed_tokens.weight, self._layers[-1].self_attn.k_proj.weight]
+            ),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self._decoder.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._decoder.embed_tokens.weight.dtype
+
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        return self._fingerprint
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self._decoder.embed_tokens(token_ids.to(self.device))
+
+    def attention_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self._layers[layer].input_layernorm(hidden)
+
+    def qkv(
+        self, layer: int, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = self._layers[layer].self_attn
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over the head dim, before RoPE
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        # HF's own rotary module and formula, so results match the model's forward bit for bit.
+        cos, sin = self._rotary(x, positions.to(self.device)[None, :])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def attention_output(self, layer: int, attn: torch.Tensor) -> torch.Tensor:
+        return self._layers[layer].self_attn.o_proj(attn.reshape(attn.shape[0], -1))
+
+    def mlp_block(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        block = self._layers[layer]
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self._decoder.norm(hidden)).float()

@@ -1,0 +1,179 @@
+"""Build the tiered store (worker side) and the segment lookup (scheduler side) from config.
+
+LMCache keys used: ``local_cpu``, ``max_local_cpu_size`` (GB), ``local_disk`` (folder, optionally
+``file://``-prefixed), ``max_local_disk_size`` (GB), ``remote_url`` (``redis://``,
+``rediss://`` or ``unix://``). Settings without an LMCache name are read from ``extra_config``
+(see :data:`EXTRA_DEFAULTS`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+
+from lmcache_backend.config import BlendConfig
+from lmcache_backend.storage.disk import DiskTier
+from lmcache_backend.storage.index import (
+    FileSegmentIndex,
+    SegmentIndex,
+    SegmentLookup,
+    default_index_dir,
+)
+from lmcache_backend.storage.memory import MemoryTier
+from lmcache_backend.storage.serde import ExpectedLayout, fingerprint_hex
+from lmcache_backend.storage.tier import Tier
+from lmcache_backend.storage.tiered import TieredStore
+from lmcache_backend.store import ModelFingerprint
+
+logger = logging.getLogger(__name__)
+
+GB = 1024**3
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+#: ``extra_config`` settings of the store, with their defaults.
+EXTRA_DEFAULTS: dict[str, Any] = {
+    # accelerator-memory tier in GB; 0 turns it off (vLLM's KV cache needs that memory)
+    "max_local_device_size": 0.0,
+    # keep the cross-process index (marker files) for the scheduler
+    "segment_index": True,
+    # folder of the index; default /dev/shm/lmcache_backend/index/<instance_id>
+    "segment_index_dir": None,
+    # return copies from memory tiers so callers may work on results in place
+    "copy_on_get": True,
+    # namespace of the keys in Redis; None: "lmcache_backend:segment:"
+    "remote_key_prefix": None,
+    "remote_timeout": 1.0,  # s per command
+    "remote_connect_timeout": 0.25,  # s per connection attempt
+    "remote_ttl": None,  # s; None keeps entries until the server evicts them
+    "remote_retry_base_delay": 0.5,  # s before the first reconnection attempt
+    "remote_retry_max_delay": 30.0,  # s, cap of the doubling backoff
+}
+
+
+def _extra(config: BlendConfig, name: str) -> Any:
+    return config.extra_config.get(name, EXTRA_DEFAULTS[name])
+
+
+def _disk_folder(config: BlendConfig) -> str | None:
+    folder = config.local_disk
+    if not folder:
+        return None
+    return folder[len("file://") :] if folder.startswith("file://") else folder
+
+
+def _index(config: BlendConfig, instance_id: str, index_dir: str | None) -> SegmentIndex | None:
+    if not _extra(config, "segment_index"):
+        return None
+    folder = index_dir or _extra(config, "segment_index_dir") or default_index_dir(instance_id)
+    return FileSegmentIndex(folder)
+
+
+def _remote(
+    config: BlendConfig, fingerprint: str | None, layout: ExpectedLayout | None, shard: str = ""
+) -> Tier | None:
+    url = config.remote_url
+    if not url:
+        return None
+    if not url.startswith(REMOTE_SCHEMES):
+        logger.warning(
+            "remote_url %r is not a Redis URL (%s); the remote tier is off",
+            url,
+            ", ".join(REMOTE_SCHEMES),
+        )
+        return None
+    from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier
+
+    ttl = _extra(config, "remote_ttl")
+    return RedisTier(
+        url,
+        fingerprint=fingerprint,
+        layout=layout,
+        prefix=str(_extra(config, "remote_key_prefix") or DEFAULT_PREFIX)
+        + (f"{shard}:" if shard else ""),
+        timeout=float(_extra(config, "remote_timeout")),
+        connect_timeout=float(_extra(config, "remote_connect_timeout")),
+        ttl=float(ttl) if ttl else None,
+        retry_base_delay=float(_extra(config, "remote_retry_base_delay")),
+        retry_max_delay=float(_extra(config, "remote_retry_max_delay")),
+    )
+
+
+def create_store(
+    config: BlendConfig,
+    device: torch.device | str | None = None,
+    *,
+    fingerprint: ModelFingerprint | None = None,
+    num_kv_heads: int | None = None,
+    shard: str = "",
+    instance_id: str = "default",
+    index_dir: str | None = None,
+) -> TieredStore:
+    """The worker's segment store: device, CPU, disk and Redis tiers as configured.
+
+    Args:
+        config: the configuration.
+        device: the accelerator; a device tier is added when it is not the CPU and
+            ``extra_config["max_local_device_size"]`` > 0.
+        fingerprint: the model's fingerprint, written into and required of every stored entry,
+            and the source of the expected layout ``[L, n, Hkv, D]`` and dtype checked on load.
+        num_kv_heads: KV heads this process holds when it is a tensor-parallel shard.
+        shard: names that shard (e.g. ``"tp1of4"``; ``""`` without tensor parallelism). Ranks
+            compute different K/V under the same segment key, so the shard namespaces the disk
+            folder (``<local_disk>/<shard>``) and the Redis keys, and is part of the fingerprint
+            check.
+        instance_id: names the default index folder; the scheduler's :func:`create_lookup`
+            must use the same id.
+        index_dir: index folder, overriding ``extra_config["segment_index_dir"]``.
+    """
+    if shard and not re.match(r"^[A-Za-z0-9_.-]+$", shard):
+        raise ValueError(f"shard must be a plain name, got {shard!r}")
+    fp = fingerprint_hex(fingerprint, shard) if fingerprint is not None else None
+    layout = (
+        ExpectedLayout.from_fingerprint(fingerprint, num_kv_heads)
+        if fingerprint is not None
+        else None
+    )
+    copy_on_get = bool(_extra(config, "copy_on_get"))
+    tiers: list[Tier] = []
+    device_gb = float(_extra(config, "max_local_device_size"))
+    if device is not None and torch.device(device).type != "cpu" and device_gb > 0:
+        tiers.append(MemoryTier(device, int(device_gb * GB), "device", copy_on_get))
+    if config.local_cpu:
+        tiers.append(MemoryTier("cpu", int(config.max_local_cpu_size * GB), "cpu", copy_on_get))
+    folder = _disk_folder(config)
+    if folder is not None and shard:
+        folder = os.path.join(folder, shard)
+    if folder is not None:
+        if config.max_local_disk_size > 0:
+            tiers.append(DiskTier(folder, int(config.max_local_disk_size * GB), fp, layout))
+        else:
+            logger.warning("local_disk=%r is ignored: max_local_disk_size is 0 GB", folder)
+    remote = _remote(config, fp, layout, shard)
+    if remote is not None:
+        tiers.append(remote)
+    if not tiers:
+        logger.warning("no segment store tier is enabled: every lookup will miss")
+    index = _index(config, instance_id, index_dir)
+    store = TieredStore(tiers, index)
+    logger.info("segment store tiers: %s", ", ".join(t.name for t in tiers) if tiers else "(none)")
+    return store
+
+
+def create_lookup(
+    config: BlendConfig,
+    *,
+    instance_id: str = "default",
+    index_dir: str | None = None,
+    shard: str = "",
+) -> SegmentLookup:
+    """The scheduler's view of the worker's store: the index, plus Redis when configured.
+
+    Cheap: it holds no tensors and never reads an entry. ``shard`` selects the Redis namespace
+    of one tensor-parallel rank (see :func:`create_store`).
+    """
+    remote = _remote(config, None, None, shard)
+    return SegmentLookup(_index(config, instance_id, index_dir), remote)

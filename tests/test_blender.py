@@ -1,0 +1,297 @@
+"""The blender on tiny random-weight Llama / Mistral / Qwen2 / Qwen3 models (fp32).
+
+Prompts are ``sys + SEP + c1 + SEP + c2 + SEP + c3 + SEP + question`` of random token ids; the
+store is warmed with a full prefill of one order, then another order is blended.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lmcache_backend.blend import LMCBlender, LMCBlenderBuilder, SegmentCache
+from lmcache_backend.config import load_config
+from lmcache_backend.hf_engine import hf_full_prefill, kv_to_dynamic_cache
+from lmcache_backend.models.hf import HFModelAdapter
+from lmcache_backend.ops import get_ops
+from lmcache_backend.storage import MemoryTier
+
+SEP = [5, 6]
+VOCAB = 256
+
+
+def _tiny_model(kind: str) -> torch.nn.Module:
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    config = {
+        "llama": lambda: LlamaConfig(**common, rope_theta=10000.0),
+        "mistral": lambda: MistralConfig(**common, sliding_window=None),
+        "qwen2": lambda: Qwen2Config(**common),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=16),
+    }[kind]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # random init leaves the q/k norms at 1: perturb them so Qwen3's norm path is exercised
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data += 0.1 * torch.randn_like(param)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+def tiny(request):
+    return request.param, _tiny_model(request.param)
+
+
+def _rand_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, VOCAB, (n,), generator=g).tolist()
+
+
+SYS, C1, C2, C3 = _rand_ids(12, 1), _rand_ids(40, 2), _rand_ids(33, 3), _rand_ids(51, 4)
+Q1, Q2 = _rand_ids(9, 5), _rand_ids(7, 6)
+
+
+def _prompt(*parts: list[int]) -> list[int]:
+    out: list[int] = []
+    for part in parts[:-1]:
+        out += part + SEP
+    return out + parts[-1]
+
+
+def _setup(model, ratios=(0.15,), check_layers=(1,), min_tokens=0):
+    adapter = HFModelAdapter(model)
+    store = MemoryTier("cpu", 1 << 30, "cpu")
+    config = load_config(
+        env={},
+        enable_blending=True,
+        blend_min_tokens=min_tokens,
+        blend_recompute_ratios=list(ratios),
+        blend_check_layers=list(check_layers),
+    )
+    blender = LMCBlender(store, None, config, adapter, SEP, get_ops("torch"))
+    return blender, SegmentCache(store, adapter.fingerprint, SEP)
+
+
+def _warm(model, cache: SegmentCache, tokens: list[int]) -> None:
+    pre = hf_full_prefill(model, tokens)
+    assert cache.store_segments(tokens, pre.keys, pre.values) > 0
+
+
+def test_ratio_one_equals_full_prefill(tiny) -> None:
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(1.0,))
+    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
+    reordered = _prompt(SYS, C3, C1, C2, Q2)
+    result = blender.blend(reordered)
+    assert result.blended and result.num_reusable == len(reordered) - len(Q2)
+    full = hf_full_prefill(model, reordered)
+    torch.testing.assert_close(result.logits, full.logits, rtol=0, atol=1e-3)
+    for layer, (k, fk) in enumerate(zip(result.keys, full.keys)):
+        torch.testing.assert_close(k, fk, rtol=0, atol=1e-4, msg=f"layer {layer} keys")
+
+
+def test_ratio_zero_same_order_equals_prefix_reuse(tiny) -> None:
+    """Chunks at their original positions, ratio 0: the question alone is computed over the
+    cached prefix — exactly what prefix caching computes."""
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(0.0,))
+    first = _prompt(SYS, C1, C2, Q1)
+    _warm(model, cache, first)
+    second = _prompt(SYS, C1, C2, Q2)
+    prefix_len = len(second) - len(Q2)
+    result = blender.blend(second)
+    assert result.recomputed.tolist() == list(range(prefix_len, len(second)))
+    warm = hf_full_prefill(model, first)
+    cache_kv = kv_to_dynamic_cache(
+        model, [k[:prefix_len] for k in warm.keys], [v[:prefix_len] for v in warm.values]
+    )
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([Q2]), past_key_values=cache_kv, use_cache=True)
+    torch.testing.assert_close(result.logits, out.logits[0, -1].float(), rtol=0, atol=1e-4)
+
+
+def test_reordered_naive_reuse_rerotates(tiny) -> None:
+    """Ratio 0 on a reordered prompt: layer-0 keys are recomputed, the rest are the cached keys
+    re-rotated to the new positions (compare with the keys cached at those tokens)."""
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(0.0,))
+    first = _prompt(SYS, C1, C2, Q1)
+    _warm(model, cache, first)
+    second = _prompt(SYS, C2, C1, Q1)
+    result = blender.blend(second)
+    warm = hf_full_prefill(model, first)
+    adapter = blender.model
+    c1_old = len(SYS) + len(SEP)
+    c1_new = c1_old + len(C2) + len(SEP)
+    n = len(C1) + len(SEP)
+    from lmcache_backend.ops.reference import rope_rerotate_k
+
+    layer = 2
+    expected = rope_rerotate_k(
+        warm.keys[layer][c1_old : c1_old + n].clone(),
+        torch.arange(c1_old, c1_old + n),
+        torch.arange(c1_new, c1_new + n),
+        adapter.cos_sin_cache,
+        adapter.is_neox,
+    )
+    torch.testing.assert_close(result.keys[layer][c1_new : c1_new + n], expected)
+    torch.testing.assert_close(
+        result.values[layer][c1_new : c1_new + n], warm.values[layer][c1_old : c1_old + n]
+    )
+
+
+def test_check_layer_counts_and_gradual_filtering(tiny) -> None:
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(0.5, 0.25), check_layers=(1, 2))
+    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
+    reordered = _prompt(SYS, C2, C3, C1, Q2)
+    seen_layers = []
+    steps = blender.blend_layer(reordered)
+    while True:
+        try:
+            seen_layers.append(next(steps))
+        except StopIteration as done:
+            result = done.value
+            break
+    assert seen_layers == list(range(model.config.num_hidden_layers))
+    total = len(reordered)
+    reusable = result.num_reusable
+    invalid = total - reusable
+    # layers 0 and 1 compute every token (layer 1 is where the first selection happens, after
+    # q/k/v of all tokens); layer 1 keeps 50% of the reusable tokens, layer 2 then keeps 25% of
+    # ALL reusable tokens (not 25% of the 50%), plus the uncached ones each time
+    counts = [total, int(0.5 * reusable) + invalid] + [int(0.25 * reusable) + invalid] * (
+        model.config.num_hidden_layers - 2
+    )
+    assert result.token_layers == sum(counts)
+    assert result.recomputed.numel() == int(0.25 * reusable) + invalid
+    assert result.recomputed[-1] == total - 1
+    assert not result.valid_mask[-len(Q2) :].any()
+
+
+def test_min_tokens_falls_back_to_full_prefill(tiny, caplog) -> None:
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(0.15,), min_tokens=10_000)
+    _warm(model, cache, _prompt(SYS, C1, Q1))
+    tokens = _prompt(C1, SYS, Q1)
+    with caplog.at_level(logging.INFO, logger="lmcache_backend.blend.blender"):
+        result = blender.blend(tokens)
+    assert not result.blended and "blend_min_tokens=10000" in result.fallback_reason
+    assert "falls back to a full prefill" in caplog.text
+    assert result.token_layers == len(tokens) * model.config.num_hidden_layers
+    torch.testing.assert_close(
+        result.logits, hf_full_prefill(model, tokens).logits, atol=1e-3, rtol=0
+    )
+
+
+def test_check_layer_beyond_model_rejected(tiny) -> None:
+    _, model = tiny
+    from lmcache_backend.config import ConfigError
+
+    with pytest.raises(ConfigError, match="blend_check_layers"):
+        _setup(model, check_layers=(7,))
+
+
+def test_mask_excludes_tokens_from_reuse(tiny) -> None:
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(0.0,))
+    _warm(model, cache, _prompt(SYS, C1, C2, Q1))
+    tokens = _prompt(SYS, C2, C1, Q2)
+    mask = torch.ones(len(tokens), dtype=torch.bool)
+    mask[: len(SYS) + len(SEP)] = False
+    result = blender.blend(tokens, mask=mask)
+    assert not result.valid_mask[: len(SYS) + len(SEP)].any()
+    assert result.num_reusable == len(C1) + len(C2) + 2 * len(SEP)
+
+
+def test_builder_one_blender_per_instance(tiny) -> None:
+    _, model = tiny
+    blender, _ = _setup(model)
+    a = LMCBlenderBuilder.get_or_create(
+        "test-a", blender.cache_engine, None, blender.config, blender.model, SEP
+    )
+    b = LMCBlenderBuilder.get_or_create(
+        "test-a", blender.cache_engine, None, blender.config, blender.model, SEP
+    )
+    c = LMCBlenderBuilder.get_or_create(
+        "test-b", blender.cache_engine, None, blender.config, blender.model, SEP
+    )
+    assert a is b and a is not c and LMCBlenderBuilder.get("test-b") is c
+    LMCBlenderBuilder.remove("test-a")
+    LMCBlenderBuilder.remove("test-b")
+    with pytest.raises(KeyError):
+        LMCBlenderBuilder.get("test-a")
+
+
+def test_gpu_connector_receives_every_layer(tiny) -> None:
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(0.3,))
+    _warm(model, cache, _prompt(SYS, C1, C2, Q1))
+    written = {}
+
+    class Writer:
+        def write_layer(self, layer_id, keys, values):
+            written[layer_id] = (keys.clone(), values.clone())
+
+    blender.gpu_connector = Writer()
+    result = blender.blend(_prompt(SYS, C2, C1, Q1))
+    assert sorted(written) == list(range(model.config.num_hidden_layers))
+    for layer, (k, v) in written.items():
+        assert torch.equal(k, result.keys[layer]) and torch.equal(v, result.values[layer])
+
+
+def test_cached_prefix_counts_as_reusable(tiny) -> None:
+    """K/V the engine already holds for the first P tokens (no store entry at all) are reused
+    as they are: ratio 0 then equals prefix reuse."""
+    _, model = tiny
+    blender, _ = _setup(model, ratios=(0.0,))
+    first = _prompt(SYS, C1, C2, Q1)
+    second = _prompt(SYS, C1, C2, Q2)
+    prefix_len = len(second) - len(Q2)
+    warm = hf_full_prefill(model, first)
+    prefix = ([k[:prefix_len] for k in warm.keys], [v[:prefix_len] for v in warm.values])
+    result = blender.blend(second, cached_prefix=prefix)
+    assert result.num_reusable == prefix_len
+    assert result.recomputed.tolist() == list(range(prefix_len, len(second)))
+    cache_kv = kv_to_dynamic_cache(model, *prefix)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([Q2]), past_key_values=cache_kv, use_cache=True)
+    torch.testing.assert_close(result.logits, out.logits[0, -1].float(), rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="cached_prefix"):
+        blender.blend(second, cached_prefix=(prefix[0][:1], prefix[1][:1]))
+
+
+def test_static_recompute_selection(tiny) -> None:
+    """A fixed selection (EPIC-style) replaces the check layers: the same tokens, plus the
+    uncached ones and the last, are computed in every layer."""
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(0.5,))
+    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    chosen = torch.zeros(len(tokens), dtype=torch.bool)
+    chosen[[0, 20, 40]] = True
+    result = blender.blend(tokens, recompute=chosen)
+    expected = sorted({0, 20, 40} | set(range(len(tokens) - len(Q2), len(tokens))))
+    assert result.recomputed.tolist() == expected
+    assert result.token_layers == len(expected) * model.config.num_hidden_layers
+    # everything else is the re-rotated cache: far from a full prefill, unlike ratio 1
+    full = hf_full_prefill(model, tokens).logits
+    assert (result.logits - full).abs().max() > 1e-4
