@@ -154,6 +154,8 @@ LMCACHE_KEYS_IGNORED = frozenset(
         "config_file",
         "enable_async_loading",
         "internal_api_server_enabled",
+        # read by lmcache_backend.integration.lmcache: run outside the version matrix
+        "backend_force_lmcache",
     }
 )
 

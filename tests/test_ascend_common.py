@@ -33,25 +33,7 @@ ASCEND_MODULE = "lmcache_backend.backends.ascend"
 
 
 def import_ascend_backend() -> ModuleType:
-    """Import the Ascend backend, installed or from this source tree.
-
-    In a source tree without ``pip install -e .``, ``backends/`` is mapped to
-    ``lmcache_backend.backends`` the way ``setup.py``'s ``package_dir`` maps it when installing.
-    """
-    try:
-        return importlib.import_module(ASCEND_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("lmcache_backend.backends", ASCEND_MODULE):
-            raise
-    spec = importlib.util.spec_from_file_location(
-        "lmcache_backend.backends",
-        ROOT / "backends" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "backends")],
-    )
-    assert spec is not None and spec.loader is not None
-    package = importlib.util.module_from_spec(spec)
-    sys.modules["lmcache_backend.backends"] = package
-    spec.loader.exec_module(package)
+    """Import the Ascend backend (``make test`` installs the package, editable)."""
     return importlib.import_module(ASCEND_MODULE)
 
 
