@@ -1,0 +1,71 @@
+"""The whole blender on each backend's ops: same result as with the torch reference ops.
+
+CUDA: the Triton kernels on CPU tensors through Triton's interpreter. Ascend: the backend's ops
+with torch_npu replaced by the CPU emulation of its operators (``npu_emulation``), called
+directly because the backend's verifiers send CPU tensors to the reference.
+"""
+
+from __future__ import annotations
+
+import npu_emulation
+import pytest
+import torch
+from test_blender import C1, C2, C3, Q1, Q2, SEP, SYS, _prompt, _tiny_model
+
+from lmcache_backend import ops as ops_registry
+from lmcache_backend.blend import LMCBlender, SegmentCache
+from lmcache_backend.config import load_config
+from lmcache_backend.hf_engine import hf_full_prefill
+from lmcache_backend.models.hf import HFModelAdapter
+from lmcache_backend.ops import OP_NAMES, Ops, get_ops
+from lmcache_backend.storage import MemoryTier
+
+
+@pytest.fixture(scope="module")
+def warmed():
+    model = _tiny_model("qwen3")
+    adapter = HFModelAdapter(model)
+    store = MemoryTier("cpu", 1 << 30, "cpu")
+    cache = SegmentCache(store, adapter.fingerprint, SEP)
+    first = _prompt(SYS, C1, C2, C3, Q1)
+    pre = hf_full_prefill(model, first)
+    cache.store_segments(first, pre.keys, pre.values)
+    return adapter, store
+
+
+def _blend(adapter, store, ops: Ops):
+    config = load_config(
+        env={}, blend_min_tokens=0, blend_recompute_ratios=[0.3, 0.15], blend_check_layers=[1, 2]
+    )
+    return LMCBlender(store, None, config, adapter, SEP, ops).blend(_prompt(SYS, C3, C1, C2, Q2))
+
+
+def _same(result, expected) -> None:
+    assert torch.equal(result.recomputed, expected.recomputed)
+    torch.testing.assert_close(result.logits, expected.logits, rtol=1e-4, atol=1e-4)
+    for k, ek in zip(result.keys, expected.keys):
+        torch.testing.assert_close(k, ek, rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_kernels_blend_like_the_reference(warmed) -> None:
+    adapter, store = warmed
+    ops = get_ops("cuda")  # Triton's interpreter on CPU tensors (tests/conftest.py)
+    assert all(by == "cuda" for _, by in ops.served_by)
+    ops_registry._declined_logged.clear()
+    result = _blend(adapter, store, ops)
+    declined = [entry for entry in ops_registry._declined_logged if entry[0] == "cuda"]
+    assert declined == []  # every call really ran a kernel
+    _same(result, _blend(adapter, store, get_ops("torch")))
+
+
+def test_ascend_ops_blend_like_the_reference(warmed) -> None:
+    from lmcache_backend.backends import ascend
+    from lmcache_backend.backends.ascend import _npu
+
+    adapter, store = warmed
+    ops = Ops(name="ascend-emulated", **{name: ascend.OPS[name] for name in OP_NAMES})
+    npu_emulation.CALLS.clear()
+    with _npu.use_npu_module(npu_emulation):
+        result = _blend(adapter, store, ops)
+    assert npu_emulation.CALLS["npu_rotary_mul"] > 0
+    _same(result, _blend(adapter, store, get_ops("torch")))
