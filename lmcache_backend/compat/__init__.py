@@ -44,6 +44,9 @@ MATRIX: tuple[MatrixRow, ...] = (
     MatrixRow("0.10.0", "0.3.12", Status.STABLE, "production ready"),
     MatrixRow("0.11.0", "0.3.12", Status.STABLE, "production ready"),
     MatrixRow("0.32.0", None, Status.STABLE, "this package's connector; verified on the CPU build"),
+    MatrixRow("0.9.2", None, Status.STABLE, "this package's connector; API checked on source"),
+    MatrixRow("0.10.0", None, Status.STABLE, "this package's connector; API checked on source"),
+    MatrixRow("0.11.0", None, Status.STABLE, "this package's connector; API checked on source"),
 )
 
 

@@ -1,0 +1,150 @@
+"""``CacheBlendConnector``: CacheBlend as a vLLM v1 KV connector.
+
+Use::
+
+    KVTransferConfig(
+        kv_connector="CacheBlendConnector",
+        kv_connector_module_path="lmcache_backend.integration.vllm.connector",
+        kv_role="kv_both",
+    )
+
+Settings come from ``LMCACHE_CONFIG_FILE`` / ``LMCACHE_*`` (``kv_connector_extra_config`` on top);
+an invalid one fails engine start-up with a message naming it. The scheduler side
+(:mod:`.scheduler`) decides which prompts to claim; the worker side (:mod:`.worker`) blends them
+into the paged cache and stores segments. The two may live in different processes; they share the
+store's cross-process index.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from lmcache_backend.compat.vllm import check_versions
+from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata
+from lmcache_backend.integration.vllm.scheduler import SchedulerSide
+from lmcache_backend.integration.vllm.settings import load_settings
+from lmcache_backend.integration.vllm.worker import WorkerSide
+from lmcache_backend.models.vllm import vllm_fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+def _route_logs_like_vllm() -> None:
+    """Show this package's INFO lines (claims, blends) in vLLM's output: the package logger has
+    no handler of its own, and the root logger's default level would hide them."""
+    pkg = logging.getLogger("lmcache_backend")
+    if pkg.handlers or pkg.level != logging.NOTSET:
+        return  # the application configured logging itself
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    pkg.addHandler(handler)
+    pkg.setLevel(getattr(logging, level, logging.INFO))
+    pkg.propagate = False
+
+
+class CacheBlendConnectorMetadata(KVConnectorMetadata, CacheBlendMetadata):
+    """The step's load/save plan (:class:`CacheBlendMetadata`) as vLLM's metadata type."""
+
+
+class CacheBlendConnector(KVConnectorBase_V1):
+    """CacheBlend for vLLM; see the module docstring.
+
+    Args:
+        vllm_config: the engine configuration.
+        role: scheduler or worker.
+        kv_cache_config: passed by vLLM releases whose connectors take it (unused).
+
+    Raises:
+        ConfigError: an invalid ``LMCACHE_*`` / extra-config setting.
+        UnsupportedVersions: the installed vLLM/LMCache combination is outside the matrix.
+    """
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        _route_logs_like_vllm()
+        settings = load_settings(vllm_config)
+        profile = check_versions(force=settings.allow_untested_versions)
+        if "kv_cache_config" in profile.connector_init_params:
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:
+            super().__init__(vllm_config, role)
+        self.settings = settings
+        self.profile = profile
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(settings, vllm_fingerprint(vllm_config), profile)
+        else:
+            self._worker = WorkerSide(settings, vllm_config, profile)
+        logger.info(
+            "CacheBlendConnector (%s, vLLM %s code path): enable_blending=%s, ratios=%s, "
+            "check layers=%s, blend_min_tokens=%d, instance %s",
+            role.name.lower(),
+            profile.release,
+            settings.config.enable_blending,
+            settings.config.blend_recompute_ratios,
+            settings.config.blend_check_layers,
+            settings.config.blend_min_tokens,
+            settings.instance_id,
+        )
+
+    # -- scheduler side -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        # Synchronous: vLLM runs a load before the forward pass only when it is not async.
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        self._scheduler.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        plan = self._scheduler.build(scheduler_output)
+        return CacheBlendConnectorMetadata(loads=plan.loads, saves=plan.saves)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._scheduler.finished(request)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for spec in getattr(meta, "loads", ()):
+            self._worker.load(spec)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads complete inside start_load_kv, before the forward pass.
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Segments are read back from the paged cache once the whole prompt is in it.
+        return
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        for spec in getattr(meta, "saves", ()):
+            self._worker.save(spec)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

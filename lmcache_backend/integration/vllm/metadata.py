@@ -1,0 +1,42 @@
+"""What the scheduler-side connector tells the workers each step (pickled across processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadSpec:
+    """Blend one request's prompt into its blocks before this step's forward pass.
+
+    Attributes:
+        req_id: vLLM's request id.
+        token_ids: the prompt, ``T`` ids.
+        block_ids: the request's blocks (first KV-cache group), covering tokens ``0..T-1``.
+        prefix_len: tokens ``0..prefix_len-1`` already hold vLLM's own K/V (prefix-cache hit).
+        end: the connector provides tokens ``prefix_len..end-1``; vLLM computes the rest.
+        recompute_ratios, check_layers: this request's schedule (None: the engine's).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    prefix_len: int
+    end: int
+    recompute_ratios: list[float] | None = None
+    check_layers: list[int] | None = None
+
+
+@dataclass
+class SaveSpec:
+    """Store the segments of a prompt whose K/V are all in the paged cache after this step."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class CacheBlendMetadata:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,88 @@
+"""vLLM general plugin: record each worker's loaded model for the connector, without editing vLLM.
+
+``register()`` runs in every vLLM process (entry point ``vllm.general_plugins``); it wraps the
+platform's model runner ``load_model`` so that, right after loading, the runner's model (unwrapped
+from any CUDA-graph wrapper) is recorded in :class:`~lmcache_backend.model_tracker.ModelTracker`.
+Wrapping is idempotent: a second ``register()`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from typing import Any
+
+from lmcache_backend.model_tracker import ENGINE_NAME, ModelTracker
+
+logger = logging.getLogger(__name__)
+
+_MARK = "__lmcache_backend_wrapped__"
+_state = {"registered": False, "wrapped": []}
+
+
+def underlying_model(runner: Any) -> Any:
+    """The runner's model, unwrapped from CUDA-graph / micro-batch wrappers."""
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    seen = 0
+    while hasattr(model, "unwrap") and seen < 4:  # CUDAGraphWrapper, UBatchWrapper
+        model = model.unwrap()
+        seen += 1
+    return model
+
+
+def _wrap(cls: type) -> bool:
+    original = cls.__dict__.get("load_model")
+    if original is None or getattr(original, _MARK, False):
+        return False
+
+    @functools.wraps(original)
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        try:
+            ModelTracker.register_model(ENGINE_NAME, underlying_model(self))
+        except Exception as exc:  # recording must never break model loading
+            logger.warning("CacheBlend could not record the loaded model: %s", exc)
+        return out
+
+    setattr(load_model, _MARK, True)
+    cls.load_model = load_model
+    return True
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group; safe to call more than once."""
+    if _state["registered"]:
+        return
+    _state["registered"] = True
+    try:
+        from lmcache_backend.compat.vllm import current_profile
+
+        profile = current_profile()
+        path, module_name, cls_name = profile.model_runners[_platform()]
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        if _wrap(cls):
+            _state["wrapped"].append(f"{module_name}.{cls_name}.load_model")
+    except Exception as exc:  # a plugin failure must not stop vLLM; the connector reports it
+        logger.warning("CacheBlend plugin hook not installed: %s", exc)
+    try:
+        from lmcache_backend.integration import lmcache as lmcache_integration
+
+        lmcache_integration.maybe_install_from_plugin()
+    except (ImportError, AttributeError):
+        pass
+
+
+def hook_status() -> dict[str, Any]:
+    """What the plugin did in this process (for ``doctor``)."""
+    return {
+        "registered": _state["registered"],
+        "wrapped": list(_state["wrapped"]),
+        "model_recorded": ModelTracker.has_model(ENGINE_NAME),
+    }

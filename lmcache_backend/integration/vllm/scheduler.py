@@ -1,0 +1,192 @@
+"""Scheduler side: which prompts to claim, and the per-step load/save plan for the workers.
+
+A prompt is claimed when the segments after vLLM's own prefix hit that the store holds, plus that
+prefix, give at least ``blend_min_tokens`` reusable tokens. The claim covers the prompt up to its
+last token, loaded synchronously (vLLM runs a synchronous load before the step's forward pass); the
+last token is computed by vLLM itself, over the blended K/V, and gives the first output token.
+Nothing claimed: vLLM prefills normally, and the workers store the prompt's segments afterwards.
+
+The lookup is the store's cross-process index (:func:`lmcache_backend.storage.create_lookup`),
+one per tensor-parallel rank: a segment counts only when every rank holds its shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
+from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
+from lmcache_backend.segmenting import split_segments
+from lmcache_backend.storage import create_lookup
+from lmcache_backend.store import ModelFingerprint, segment_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Claim:
+    prefix_len: int
+    end: int
+    reusable: int
+    ratios: list[float] | None
+    layers: list[int] | None
+
+
+@dataclass
+class _Tracked:
+    """A request whose prompt is still being prefilled."""
+
+    token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ClaimStats:
+    """Counters of this scheduler (also logged per request)."""
+
+    requests: int = 0
+    claimed_requests: int = 0
+    claimed_tokens: int = 0
+
+
+class SchedulerSide:
+    """The scheduler-side logic, free of vLLM types (requests are read by attribute)."""
+
+    def __init__(self, settings: ConnectorSettings, fingerprint: ModelFingerprint, profile: Any):
+        self.settings = settings
+        self.fingerprint = fingerprint
+        self.profile = profile
+        self.lookups = [
+            create_lookup(
+                settings.config,
+                instance_id=settings.rank_instance(rank),
+                shard=settings.shard(rank),
+            )
+            for rank in range(settings.tp_size)
+        ]
+        self._claims: dict[str, _Claim] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self.stats = ClaimStats()
+
+    # -- claims ---------------------------------------------------------------------------
+
+    def _cached(self, keys: list[str]) -> list[bool]:
+        hits = [True] * len(keys)
+        for lookup in self.lookups:
+            hits = [a and b for a, b in zip(hits, lookup.contains_many(keys))]
+        return hits
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` the connector provides (0 or up to the last)."""
+        rid = request.request_id
+        self._claims.pop(rid, None)
+        tokens = list(request.prompt_token_ids or [])
+        config = request_config(self.settings.config, getattr(request, "kv_transfer_params", None))
+        end = len(tokens) - 1
+        if config is None or end <= num_computed_tokens:
+            return 0
+        self.stats.requests += 1
+        segments = [
+            s
+            for s in split_segments(tokens, self.settings.separator)
+            if s.end > num_computed_tokens
+        ]
+        keys = [segment_key(self.fingerprint, tokens[s.start : s.end]) for s in segments]
+        hits = self._cached(keys) if keys else []
+        reused = sum(
+            min(s.end, end) - max(s.start, num_computed_tokens)
+            for s, hit in zip(segments, hits)
+            if hit and min(s.end, end) > max(s.start, num_computed_tokens)
+        )
+        reusable = num_computed_tokens + reused
+        if reused == 0 or reusable < config.blend_min_tokens:
+            logger.debug(
+                "request %s: %d reusable tokens (%d cached segments): prefilled by vLLM",
+                rid,
+                reusable,
+                sum(hits),
+            )
+            return 0
+        claim = end - num_computed_tokens
+        self._claims[rid] = _Claim(
+            prefix_len=num_computed_tokens,
+            end=end,
+            reusable=reusable,
+            ratios=list(config.blend_recompute_ratios)
+            if config is not self.settings.config
+            else None,
+            layers=list(config.blend_check_layers) if config is not self.settings.config else None,
+        )
+        self.stats.claimed_requests += 1
+        self.stats.claimed_tokens += claim
+        logger.info(
+            "CacheBlend claims %d tokens of request %s (%d tokens, %d reusable in %d of %d "
+            "cached segments, %d from vLLM's prefix cache)",
+            claim,
+            rid,
+            len(tokens),
+            reusable,
+            sum(hits),
+            len(segments),
+            num_computed_tokens,
+        )
+        return claim
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:  # vLLM chose not to load (e.g. a longer local hit)
+            self._claims.pop(request.request_id, None)
+
+    # -- per-step plan --------------------------------------------------------------------
+
+    def build(self, scheduler_output: Any) -> CacheBlendMetadata:
+        meta = CacheBlendMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tokens = list(new.prompt_token_ids or [])
+            tracked = _Tracked(tokens, list(new.block_ids[0]))
+            self._tracked[new.req_id] = tracked
+            self._plan(meta, new.req_id, tracked, new.num_computed_tokens, scheduled)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tracked = self._tracked.get(rid)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if self.profile.resumed(cached, i):
+                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracked.block_ids.extend(new_blocks[0])
+            self._plan(meta, rid, tracked, cached.num_computed_tokens[i], scheduled)
+        return meta
+
+    def _plan(
+        self,
+        meta: CacheBlendMetadata,
+        rid: str,
+        tracked: _Tracked,
+        num_computed: int,
+        scheduled: dict[str, int],
+    ) -> None:
+        claim = self._claims.pop(rid, None)
+        if claim is not None and num_computed == claim.end:
+            meta.loads.append(
+                LoadSpec(
+                    rid,
+                    tracked.token_ids,
+                    list(tracked.block_ids),
+                    claim.prefix_len,
+                    claim.end,
+                    claim.ratios,
+                    claim.layers,
+                )
+            )
+        if num_computed + scheduled.get(rid, 0) >= len(tracked.token_ids):
+            # the prompt's K/V are complete after this step: store its segments, stop tracking
+            meta.saves.append(SaveSpec(rid, tracked.token_ids, list(tracked.block_ids)))
+            self._tracked.pop(rid, None)
+
+    def finished(self, request: Any) -> None:
+        self._claims.pop(request.request_id, None)
+        self._tracked.pop(request.request_id, None)

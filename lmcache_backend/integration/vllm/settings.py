@@ -1,0 +1,112 @@
+"""The connector's settings, read the LMCache way, shared by its scheduler and worker sides.
+
+Sources: ``LMCACHE_CONFIG_FILE`` / ``LMCACHE_*`` environment variables, then vLLM's
+``kv_connector_extra_config`` on top. Per request, ``kv_transfer_params`` may carry
+``{"blend": false}`` (no reuse for this request) or ``{"blend_recompute_ratios": [...]}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache_backend.config import BlendConfig, ConfigError, load_config
+from lmcache_backend.segmenting import separator_token_ids
+
+logger = logging.getLogger(__name__)
+
+#: ``kv_connector_extra_config`` keys that belong to vLLM's side, not to :class:`BlendConfig`.
+CONNECTOR_KEYS = ("instance_id", "stats_file", "allow_untested_versions")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Everything both connector sides derive from the engine's configuration.
+
+    Attributes:
+        config: the validated blend configuration.
+        instance_id: names this engine's cross-process segment index (scheduler and workers).
+        tp_size: tensor-parallel ranks; each keeps its own store shard and index.
+        separator: ``blend_special_str`` as token ids.
+        stats_file: optional JSON-lines file receiving one record per blended request.
+        allow_untested_versions: run on a vLLM release outside the matrix.
+    """
+
+    config: BlendConfig
+    instance_id: str
+    tp_size: int
+    separator: tuple[int, ...]
+    stats_file: str | None
+    allow_untested_versions: bool
+
+    def rank_instance(self, rank: int) -> str:
+        """Index id of one rank (the same on the scheduler and on that rank's worker)."""
+        return self.instance_id if self.tp_size == 1 else f"{self.instance_id}-tp{rank}"
+
+    def shard(self, rank: int) -> str:
+        return "" if self.tp_size == 1 else f"tp{rank}of{self.tp_size}"
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(name: str, revision: str | None, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        name, revision=revision, trust_remote_code=trust_remote_code
+    )
+
+
+def load_settings(vllm_config: Any) -> ConnectorSettings:
+    """Read and validate the settings of the engine described by ``vllm_config``.
+
+    Raises:
+        ConfigError: a setting is invalid (the message names the key and value), or it does not
+            fit the model (e.g. a check layer beyond the last layer).
+    """
+    kv = vllm_config.kv_transfer_config
+    extra = dict(getattr(kv, "kv_connector_extra_config", None) or {})
+    own = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
+    config = load_config(**extra)
+    mc = vllm_config.model_config
+    config.validate_for_model(int(mc.hf_text_config.num_hidden_layers))
+    tokenizer = _tokenizer(
+        str(mc.tokenizer), getattr(mc, "tokenizer_revision", None), bool(mc.trust_remote_code)
+    )
+    try:
+        separator = tuple(separator_token_ids(tokenizer, config.blend_special_str))
+    except ValueError as exc:
+        raise ConfigError(f"blend_special_str={config.blend_special_str!r}: {exc}") from exc
+    instance_id = str(own.get("instance_id") or f"vllm-{kv.engine_id}")
+    return ConnectorSettings(
+        config=config,
+        instance_id=instance_id,
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        separator=separator,
+        stats_file=own.get("stats_file"),
+        allow_untested_versions=bool(own.get("allow_untested_versions", False)),
+    )
+
+
+def request_config(config: BlendConfig, params: dict | None) -> BlendConfig | None:
+    """The configuration of one request after its ``kv_transfer_params``; None: do not blend.
+
+    An invalid per-request value is logged and ignored (the engine's settings apply).
+    """
+    if not config.enable_blending:
+        return None
+    if not params:
+        return config
+    if params.get("blend") is False:
+        return None
+    changes = {
+        k: params[k] for k in ("blend_recompute_ratios", "blend_check_layers") if k in params
+    }
+    if not changes:
+        return config
+    try:
+        return config.replace(**changes)
+    except (ConfigError, TypeError, ValueError) as exc:
+        logger.warning("ignoring kv_transfer_params %s: %s", changes, exc)
+        return config

@@ -1,0 +1,296 @@
+"""Worker side: blend claimed prompts into vLLM's paged cache, store the segments of prompts.
+
+Before a step's forward pass (``start_load_kv``), each claimed request is blended with the
+model's own weights (through :class:`~lmcache_backend.models.vllm.VLLMModelAdapter`) and this
+package's attention, never vLLM's attention layers: those would write the current step's slots and
+re-enter the connector hooks. Tokens vLLM's prefix cache already holds are read back from the paged
+cache and passed as ``cached_prefix``. Each layer's blended K/V rows of the claimed tokens go into
+the paged cache as soon as the layer is final.
+
+After the forward pass (``wait_for_save``), prompts whose K/V are complete are read back from the
+paged cache and their segments stored (those the store lacks), whichever path computed them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from lmcache_backend.blend import LMCBlender, SegmentCache
+from lmcache_backend.config import BlendConfig
+from lmcache_backend.integration.vllm.layouts import (
+    CpuLayout,
+    FlashLayout,
+    PagedLayout,
+    slots_for,
+)
+from lmcache_backend.integration.vllm.metadata import LoadSpec, SaveSpec
+from lmcache_backend.integration.vllm.settings import ConnectorSettings
+from lmcache_backend.model_tracker import ENGINE_NAME, ModelTracker
+from lmcache_backend.models.vllm import VLLMModelAdapter
+from lmcache_backend.ops import Ops, get_ops
+from lmcache_backend.ops.reference import kv_deviation_topk
+from lmcache_backend.storage import create_store
+
+logger = logging.getLogger(__name__)
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class BlendRecord:
+    """One blended request, as logged and written to ``stats_file``."""
+
+    req_id: str
+    num_tokens: int
+    prefix_len: int
+    claimed: int
+    num_reusable: int
+    recomputed_reusable: int
+    recompute_fraction: float
+    token_layer_fraction: float
+    fallback_reason: str | None
+    blend_ms: float
+
+
+class _PagedWriter:
+    """The blender's per-layer sink: writes the claimed rows of each finished layer."""
+
+    def __init__(self, layout: PagedLayout, caches: list[torch.Tensor]) -> None:
+        self.layout, self.caches = layout, caches
+        self.slots = torch.empty(0, dtype=torch.int64)
+        self.start = self.stop = 0
+
+    def target(self, slots: torch.Tensor, start: int, stop: int) -> None:
+        self.slots, self.start, self.stop = slots, start, stop
+
+    def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.stop > self.start:
+            rows = slice(self.start, self.stop)
+            self.layout.write(self.caches[layer_id], keys[rows], values[rows], self.slots)
+
+
+def _tp_consistent_ops(ops: Ops) -> Ops:
+    """Ops whose check-layer selection agrees across tensor-parallel ranks.
+
+    Each rank sees only its KV heads; the per-token deviations are summed over ranks first, so
+    every rank keeps the same tokens (they run the same collectives with the same shapes).
+    """
+    from dataclasses import replace
+
+    from vllm.distributed.parallel_state import get_tp_group
+
+    def topk(k_fresh, k_cached, valid_mask, ratio, num_reusable=None):
+        n = k_fresh.shape[0]
+        dev = (k_fresh.float().reshape(n, -1) - k_cached.float().reshape(n, -1)).pow(2).sum(-1)
+        dev = get_tp_group().all_reduce(dev)
+        root = dev.clamp_min(0).sqrt()[:, None]
+        return kv_deviation_topk(root, torch.zeros_like(root), valid_mask, ratio, num_reusable)
+
+    return replace(ops, kv_deviation_topk=topk)
+
+
+class WorkerSide:
+    """The worker-side state: model adapter, store, paged layout, blenders."""
+
+    def __init__(self, settings: ConnectorSettings, vllm_config: Any, profile: Any) -> None:
+        self.settings = settings
+        self.vllm_config = vllm_config
+        self.profile = profile
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.caches: list[torch.Tensor] = []
+        self.layer_names: list[str] = []
+        self.layout: PagedLayout | None = None
+        self.model: VLLMModelAdapter | None = None
+        self.segments: SegmentCache | None = None
+        self._writer: _PagedWriter | None = None
+        self._blenders: dict[tuple, LMCBlender] = {}
+        self.records: list[BlendRecord] = []
+        self.stored_segments = 0
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Order the layers' caches by layer index (``model.layers.<i>.self_attn.attn``)."""
+        indexed = []
+        for name, cache in kv_caches.items():
+            match = _LAYER_INDEX.search(name)
+            if match is None:
+                raise ValueError(f"cannot tell the layer index of KV cache {name!r}")
+            indexed.append((int(match.group(1)), name, cache))
+        indexed.sort()
+        self.layer_names = [name for _, name, _ in indexed]
+        self.caches = [cache for _, _, cache in indexed]
+        if self.profile.kv_transfer_after_model_load:
+            self._ensure_ready()
+
+    def _ensure_ready(self) -> None:
+        if self.model is not None:
+            return
+        if not self.caches:
+            raise RuntimeError("CacheBlend: no KV caches were registered")
+        model = ModelTracker.get_model(ENGINE_NAME)
+        self.model = VLLMModelAdapter(model, self.vllm_config)
+        if len(self.caches) != self.model.num_layers:
+            raise RuntimeError(
+                f"CacheBlend: {len(self.caches)} KV caches for {self.model.num_layers} layers"
+            )
+        self.layout = self._make_layout()
+        self._writer = _PagedWriter(self.layout, self.caches)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank() if self.settings.tp_size > 1 else 0
+        store = create_store(
+            self.settings.config,
+            self.model.device,
+            fingerprint=self.model.fingerprint,
+            num_kv_heads=self.model.num_kv_heads,
+            shard=self.settings.shard(rank),
+            instance_id=self.settings.rank_instance(rank),
+        )
+        self.store = store
+        self.segments = SegmentCache(store, self.model.fingerprint, self.settings.separator)
+        logger.info(
+            "CacheBlend worker ready: %s, %d layers, %s layout, ops %s",
+            type(model).__name__,
+            self.model.num_layers,
+            type(self.layout).__name__,
+            self._ops().name,
+        )
+
+    def _make_layout(self) -> PagedLayout:
+        from vllm.platforms import current_platform
+
+        cache = self.caches[0]
+        model = self.model
+        if current_platform.is_cpu():
+            layer = self.vllm_config.compilation_config.static_forward_context[self.layer_names[0]]
+            return CpuLayout(
+                self.profile.cpu_cache_writer(),
+                str(layer.isa),
+                num_kv_heads=int(cache.shape[1]),
+                block_size=int(cache.shape[2]),
+                head_dim=model.head_dim,
+                dtype=cache.dtype,
+                k_scale=float(getattr(layer, "_k_scale_float", 1.0)),
+                v_scale=float(getattr(layer, "_v_scale_float", 1.0)),
+                kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
+            )
+        k_cache, _ = FlashLayout.split(cache)
+        return FlashLayout(int(k_cache.shape[1]), self._ops())
+
+    def _ops(self) -> Ops:
+        ops = get_ops(self.settings.config.backend)
+        return _tp_consistent_ops(ops) if self.settings.tp_size > 1 else ops
+
+    def _blender(self, spec: LoadSpec) -> LMCBlender:
+        config: BlendConfig = self.settings.config
+        changes = {}
+        if spec.recompute_ratios is not None:
+            changes["blend_recompute_ratios"] = spec.recompute_ratios
+        if spec.check_layers is not None:
+            changes["blend_check_layers"] = spec.check_layers
+        key = tuple(sorted((k, tuple(v)) for k, v in changes.items()))
+        if key not in self._blenders:
+            cfg = config.replace(**changes) if changes else config
+            self._blenders[key] = LMCBlender(
+                self.store, self._writer, cfg, self.model, self.settings.separator, self._ops()
+            )
+        return self._blenders[key]
+
+    # -- loads ----------------------------------------------------------------------------
+
+    def _read_all_layers(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list]:
+        keys, values = [], []
+        for cache in self.caches:
+            k, v = self.layout.read(cache, slots.to(cache.device))
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    @torch.inference_mode()
+    def load(self, spec: LoadSpec) -> BlendRecord:
+        """Blend ``spec``'s prompt and write tokens ``prefix_len..end-1`` into its blocks."""
+        self._ensure_ready()
+        started = time.perf_counter()
+        slots = slots_for(spec.block_ids, self.block_size, 0, spec.end)
+        prefix = self._read_all_layers(slots[: spec.prefix_len]) if spec.prefix_len else None
+        self._writer.target(slots[spec.prefix_len :], spec.prefix_len, spec.end)
+        result = self._blender(spec).blend(spec.token_ids, cached_prefix=prefix)
+        self._writer.target(torch.empty(0, dtype=torch.int64), 0, 0)
+        n, layers = len(spec.token_ids), self.model.num_layers
+        record = BlendRecord(
+            req_id=spec.req_id,
+            num_tokens=n,
+            prefix_len=spec.prefix_len,
+            claimed=spec.end - spec.prefix_len,
+            num_reusable=result.num_reusable,
+            recomputed_reusable=result.recomputed_reusable,
+            recompute_fraction=result.recomputed_reusable / max(result.num_reusable, 1),
+            token_layer_fraction=result.token_layers / (n * layers),
+            fallback_reason=result.fallback_reason,
+            blend_ms=(time.perf_counter() - started) * 1000.0,
+        )
+        self._report(record)
+        return record
+
+    def _report(self, record: BlendRecord) -> None:
+        self.records.append(record)
+        logger.info(
+            "CacheBlend request %s: %d tokens, %d claimed, %d reusable (%d from the prefix "
+            "cache), %d reusable recomputed (%.1f%%), %.0f%% token-layers, %.0f ms%s",
+            record.req_id,
+            record.num_tokens,
+            record.claimed,
+            record.num_reusable,
+            record.prefix_len,
+            record.recomputed_reusable,
+            100.0 * record.recompute_fraction,
+            100.0 * record.token_layer_fraction,
+            record.blend_ms,
+            f"; fell back: {record.fallback_reason}" if record.fallback_reason else "",
+        )
+        if self.settings.stats_file:
+            try:
+                with open(self.settings.stats_file, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(asdict(record)) + "\n")
+            except OSError as exc:
+                logger.warning("cannot append to stats_file %s: %s", self.settings.stats_file, exc)
+
+    # -- saves ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def save(self, spec: SaveSpec) -> int:
+        """Store the segments of ``spec``'s prompt the store lacks; returns how many."""
+        self._ensure_ready()
+        tokens = spec.token_ids
+        missing = [seg for seg, hit in self.segments.cached(tokens) if not hit]
+        if not missing:
+            return 0
+        slots = slots_for(spec.block_ids, self.block_size, 0, len(tokens))
+        keys, values = self._read_all_layers(slots)
+        stored = self.segments.store_segments(tokens, keys, values, only=missing)
+        self.stored_segments += stored
+        logger.debug("request %s: stored %d segments", spec.req_id, stored)
+        return stored
+
+    def shutdown(self) -> None:
+        """Close the store; drop the index markers of tiers that die with this process."""
+        store = getattr(self, "store", None)
+        if store is None:
+            return
+        store.close()
+        index = getattr(store, "index", None)
+        if index is not None and all(t.name in ("cpu", "device") for t in store.local_tiers):
+            index.clear()
+            try:
+                os.rmdir(index.folder)
+            except OSError:
+                pass

@@ -1,0 +1,198 @@
+"""Model adapter for vLLM's decoder models: Llama, Mistral, Qwen2, Qwen3.
+
+The four share one module layout in vLLM: ``model.model.layers[i].self_attn`` with a fused
+``qkv_proj`` (Qwen2: with bias), ``rotary_emb(positions, q, k)``, ``o_proj``, and per layer
+``input_layernorm`` / ``post_attention_layernorm`` / ``mlp``; Qwen3 adds ``q_norm``/``k_norm``
+over the head dim before RoPE. Linear layers return ``(output, bias)``.
+
+vLLM's decoder layers carry the residual separately and use fused add+RMSNorm
+(``norm(x, residual) -> (norm(x + residual), x + residual)``). The adapter keeps one stream
+``h = x + residual`` instead and calls each norm without a residual: the same arithmetic (the sum
+is rounded to the model dtype once either way), in the interface the blender expects.
+
+Tensor parallelism: the attention modules hold this rank's heads (``num_heads``/``num_kv_heads``
+below are per rank); ``o_proj`` and the MLP's ``down_proj`` all-reduce, so every rank ends each
+layer with the full hidden state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from lmcache_backend.compat.vllm import current_profile
+from lmcache_backend.models.base import ModelAdapter
+from lmcache_backend.store import ModelFingerprint
+
+logger = logging.getLogger(__name__)
+
+#: vLLM architectures the adapter knows (``hf_config.architectures[0]``).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def _weight_files_digest(model_path: str) -> str:
+    """Names, sizes and modification times of a local model folder's weight files."""
+    h = hashlib.sha256()
+    if os.path.isdir(model_path):
+        for name in sorted(os.listdir(model_path)):
+            if name.endswith((".safetensors", ".bin", ".pt", ".gguf")):
+                st = os.stat(os.path.join(model_path, name))
+                h.update(f"{name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def vllm_fingerprint(vllm_config: Any) -> ModelFingerprint:
+    """The model fingerprint of one tensor-parallel rank, from vLLM's configuration alone.
+
+    The scheduler process never holds the weights but must compute the same segment keys as the
+    worker, so the fingerprint comes from the config: architecture, geometry, RoPE settings,
+    dtype and a digest of the model's identity (name, revision, quantization and, for a local
+    folder, its weight files' names/sizes/times), so two fine-tunes do not share entries.
+    """
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config if hasattr(mc, "hf_text_config") else mc.hf_config
+    num_heads = int(hf.num_attention_heads)
+    num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
+    rope = {
+        "rope_theta": getattr(hf, "rope_theta", None),
+        "rope_scaling": getattr(hf, "rope_scaling", None),
+        "rope_parameters": getattr(hf, "rope_parameters", None),
+    }
+    identity = {
+        "model": str(mc.model),
+        "revision": getattr(mc, "revision", None),
+        "quantization": getattr(mc, "quantization", None),
+        "files": _weight_files_digest(str(mc.model)),
+    }
+    architectures = getattr(mc.hf_config, "architectures", None) or ["unknown"]
+    # A tensor-parallel rank holds (and stores) only its share of the heads.
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    return ModelFingerprint(
+        architecture=str(architectures[0]),
+        num_layers=int(hf.num_hidden_layers),
+        num_heads=num_heads // tp,
+        num_kv_heads=max(1, num_kv_heads // tp),
+        head_dim=head_dim,
+        rope=json.dumps(rope, sort_keys=True, default=str) + ",neox=True",
+        dtype=str(mc.dtype),
+        weights_digest=hashlib.sha256(
+            json.dumps(identity, sort_keys=True, default=str).encode()
+        ).hexdigest()[:16],
+    )
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """vLLM's linear layers return ``(output, output_bias)``; plain ``nn.Linear`` a tensor."""
+    out = module(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class VLLMModelAdapter(ModelAdapter):
+    """Adapter over a loaded vLLM ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3).
+
+    Args:
+        model: the runner's model (not a CUDA-graph wrapper).
+        vllm_config: the engine's ``VllmConfig`` (for the fingerprint and the sliding window).
+
+    Raises:
+        ValueError: unsupported architecture (the message lists the supported ones), or a
+            model split across pipeline stages.
+    """
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any) -> None:
+        arch = type(model).__name__
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{arch} is not supported by the CacheBlend vLLM adapter "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        self.model = model
+        self._decoder = model.model
+        self._layers = model.model.layers
+        start = getattr(self._decoder, "start_layer", 0)
+        end = getattr(self._decoder, "end_layer", len(self._layers))
+        if start != 0 or end != len(self._layers):
+            raise ValueError("CacheBlend needs every layer in one process (no pipeline split)")
+        self._profile = current_profile()
+        attn = self._layers[0].self_attn
+        self.num_layers = len(self._layers)
+        self.num_heads = int(attn.num_heads)  # this rank's heads
+        self.num_kv_heads = int(attn.num_kv_heads)
+        self.head_dim = int(attn.head_dim)
+        self._q_size = self.num_heads * self.head_dim
+        self._kv_size = self.num_kv_heads * self.head_dim
+        self.attn_scale = float(self._profile.softmax_scale(attn))
+        rotary = attn.rotary_emb
+        self.is_neox = bool(rotary.is_neox_style)
+        # fp32 and unscaled: recomputed rather than read from the buffer, which vLLM casts to the
+        # model dtype on first use.
+        self.cos_sin_cache = rotary._compute_cos_sin_cache().float().to(self.device)
+        hf = vllm_config.model_config.hf_config
+        window = getattr(hf, "sliding_window", None)
+        use_window = getattr(hf, "use_sliding_window", window is not None)
+        self.max_exact_tokens = int(window) if (window and use_window) else None
+        self._fingerprint = vllm_fingerprint(vllm_config)
+        self._embed = self._profile.embedding_accessor(model)
+
+    @property
+    def device(self) -> torch.device:
+        return self._decoder.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._decoder.embed_tokens.weight.dtype
+
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        return self._fingerprint
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self._embed(token_ids.to(self.device))
+
+    def attention_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self._layers[layer].input_layernorm(hidden)
+
+    def qkv(
+        self, layer: int, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = self._layers[layer].self_attn
+        n = x.shape[0]
+        qkv = _linear(attn.qkv_proj, x)
+        q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head, before RoPE
+            q = attn.q_norm(q.reshape(n, self.num_heads, self.head_dim)).reshape(n, -1)
+            k = attn.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).reshape(n, -1)
+        # vLLM's rotary op works in place on contiguous [N, H*D] rows
+        q, k = q.contiguous(), k.contiguous()
+        q, k = attn.rotary_emb(positions.to(self.device), q, k)
+        return (
+            q.view(n, self.num_heads, self.head_dim),
+            k.view(n, self.num_kv_heads, self.head_dim),
+            v.reshape(n, self.num_kv_heads, self.head_dim),
+        )
+
+    def attention_output(self, layer: int, attn: torch.Tensor) -> torch.Tensor:
+        o_proj = self._layers[layer].self_attn.o_proj
+        return _linear(o_proj, attn.reshape(attn.shape[0], -1).to(self.dtype))
+
+    def mlp_block(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        block = self._layers[layer]
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.model.compute_logits(self._decoder.norm(hidden))
+        if out is None:  # tensor-parallel ranks other than the first receive no gathered logits
+            vocab = self.model.lm_head.org_vocab_size
+            return torch.zeros(hidden.shape[0], vocab, device=hidden.device)
+        return out.float()

@@ -1,0 +1,94 @@
+"""CacheBlendConnector with tensor parallelism on the CPU build: 3 ranks (SmolLM2 has 3 KV heads).
+
+Slow on 2 cores (three worker processes), so it runs only with ``LMCACHE_BACKEND_TEST_TP=1``.
+The engine runs in a child process (its own ``__main__``), which prints one JSON result line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm")
+if os.environ.get("LMCACHE_BACKEND_TEST_TP") != "1":
+    pytest.skip("set LMCACHE_BACKEND_TEST_TP=1 to run (about 3 minutes)", allow_module_level=True)
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.examples import builtin_examples
+    from lmcache_backend.segmenting import build_blend_prompt
+
+    def params(**kw):
+        extra = {"kv_transfer_params": kw} if kw else None
+        return SamplingParams(temperature=0, max_tokens=10, extra_args=extra)
+
+    if __name__ == "__main__":
+        path = str(embedded_model_path())
+        tok = AutoTokenizer.from_pretrained(path)
+        ex = builtin_examples(1, chunks_per_example=3)[0]
+        first = build_blend_prompt(tok, ex.system, ex.chunks, ex.question).token_ids
+        again = build_blend_prompt(tok, ex.system, ex.chunks[::-1], ex.question).token_ids
+        kv = KVTransferConfig(
+            kv_connector="CacheBlendConnector",
+            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"stats_file": sys.argv[1]},
+        )
+        llm = LLM(model=path, kv_transfer_config=kv, tensor_parallel_size=3, enforce_eager=True,
+                  max_model_len=2048, seed=0, enable_prefix_caching=False)
+        run = lambda ids, p: llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False)[0]
+        warm = run(first, params())
+        plain = run(again, params(blend=False))
+        full = run(again, params(blend_recompute_ratios=[1.0]))
+        part = run(again, params())
+        print("RESULT " + json.dumps({
+            "n": len(again), "warm_cached": warm.num_cached_tokens,
+            "plain": plain.outputs[0].text, "full": full.outputs[0].text,
+            "full_cached": full.num_cached_tokens, "part_cached": part.num_cached_tokens,
+            "part": part.outputs[0].text,
+        }))
+    """
+)
+
+
+def test_three_ranks_blend_consistently(tmp_path) -> None:
+    (tmp_path / "tp.py").write_text(SCRIPT)
+    stats = tmp_path / "blend.jsonl"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "LMCACHE_ENABLE_BLENDING": "true",
+        "LMCACHE_BLEND_MIN_TOKENS": "32",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "tp.py"), str(stats)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=590,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["warm_cached"] == 0
+    assert out["full_cached"] == out["part_cached"] == out["n"] - 1
+    assert out["full"] == out["plain"], "ratio 1.0 must reproduce vLLM's prefill on 3 ranks"
+    assert out["part"].strip()
+    records = [json.loads(x) for x in stats.read_text().splitlines()]
+    # one record per rank and request; the ranks must select the same tokens
+    by_request: dict[str, set] = {}
+    for r in records:
+        by_request.setdefault(r["req_id"], set()).add(r["recomputed_reusable"])
+    assert len(records) == 6 and all(len(v) == 1 for v in by_request.values()), records
