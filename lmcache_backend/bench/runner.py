@@ -1,0 +1,192 @@
+"""Run strategies over examples (quality and TTFT) and over prompt sizes (TTFT sweep)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from lmcache_backend.bench.dataset import PromptPair, prompt_pair, sweep_example
+from lmcache_backend.bench.engines import BenchEngine, PrefillRun
+from lmcache_backend.bench.metrics import (
+    answer_correct,
+    answers_agree,
+    kl_divergence,
+    median_ratio,
+)
+from lmcache_backend.bench.strategies import FULL, Strategy
+from lmcache_backend.examples import RagExample
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class StrategyOutcome:
+    """One strategy on one prompt."""
+
+    strategy: str
+    ttft_s: list[float] = field(default_factory=list)
+    ttft_ratio: float = 1.0  # median over rounds of this run's TTFT / full prefill's
+    recomputed_tokens: int = 0
+    token_layers_frac: float = 1.0
+    reused_tokens: int = 0
+    kl: float = 0.0
+    first_token_agrees: bool = True
+    answer: str | None = None
+    correct: bool | None = None
+    agrees: bool | None = None
+    cache_bytes: int | None = 0
+    fallback_reason: str | None = None
+
+    @property
+    def ttft_ms(self) -> float:
+        return 1000 * statistics.median(self.ttft_s)
+
+
+@dataclass
+class CaseResult:
+    """Every strategy on one prompt."""
+
+    id: str
+    prompt_tokens: int
+    num_chunks: int
+    answers: list[str]
+    outcomes: list[StrategyOutcome]
+
+    def outcome(self, name: str) -> StrategyOutcome:
+        return next(o for o in self.outcomes if o.strategy == name)
+
+
+def _untimed_pass(
+    engine: BenchEngine,
+    strategies: Sequence[Strategy],
+    pair: PromptPair,
+    max_new_tokens: int,
+    tick: Progress,
+) -> list[StrategyOutcome]:
+    """One run of each strategy, not timed: it warms caches and allocators, and its logits and
+    greedy answers are the quality numbers (the timed runs compute the same thing)."""
+    tokens, num_layers = pair.asked_ids, engine.num_layers
+    outcomes, runs = [], []
+    for strategy in strategies:
+        run: PrefillRun = engine.prefill(strategy, tokens, timed=False)
+        runs.append(run)
+        outcome = StrategyOutcome(
+            strategy=strategy.name,
+            recomputed_tokens=run.recomputed_tokens,
+            token_layers_frac=run.token_layers / (len(tokens) * num_layers),
+            reused_tokens=run.reused_tokens,
+            cache_bytes=engine.cache_bytes(strategy),
+            fallback_reason=run.fallback_reason,
+        )
+        if max_new_tokens > 0:
+            outcome.answer = engine.decode(tokens, run, max_new_tokens).strip()
+            outcome.correct = answer_correct(outcome.answer, pair.example.answers)
+        outcomes.append(outcome)
+        run.state = None  # free the K/V
+        tick(1)
+    reference = runs[0].logits
+    for outcome, run in zip(outcomes, runs):
+        outcome.kl = kl_divergence(reference, run.logits)
+        outcome.first_token_agrees = int(run.logits.argmax()) == int(reference.argmax())
+        if max_new_tokens > 0:
+            outcome.agrees = answers_agree(outcome.answer or "", outcomes[0].answer or "")
+    return outcomes
+
+
+def _timed_rounds(
+    engine: BenchEngine,
+    strategies: Sequence[Strategy],
+    tokens: Sequence[int],
+    outcomes: list[StrategyOutcome],
+    repeats: int,
+    tick: Progress,
+) -> None:
+    """``repeats`` rounds; each round runs every strategy once, so a strategy's TTFT is compared
+    with full prefill's from the same round. The order rotates each round so that no strategy
+    always runs right after another particular one."""
+    n = len(strategies)
+    for r in range(repeats):
+        for i in range(n):
+            j = (i + r) % n
+            outcomes[j].ttft_s.append(engine.prefill(strategies[j], tokens).ttft_s)
+            tick(1)
+    full = outcomes[0].ttft_s
+    for outcome in outcomes:
+        outcome.ttft_ratio = median_ratio(outcome.ttft_s, full)
+
+
+def _check_strategies(strategies: Sequence[Strategy]) -> None:
+    if not strategies or strategies[0].kind != FULL:
+        raise ValueError("the first strategy must be full prefill (the reference)")
+
+
+def run_case(
+    engine: BenchEngine,
+    strategies: Sequence[Strategy],
+    example: RagExample,
+    repeats: int,
+    max_new_tokens: int,
+    seed: int = 0,
+    tick: Progress = lambda n: None,
+) -> CaseResult:
+    """Fill the caches from ``example`` in its original order, then answer it reordered with
+    every strategy: one untimed pass (quality), then ``repeats`` timed rounds."""
+    _check_strategies(strategies)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    pair = prompt_pair(engine.prompt_ids, example, seed)
+    engine.reset()
+    engine.warm(pair.warm_ids)
+    outcomes = _untimed_pass(engine, strategies, pair, max_new_tokens, tick)
+    _timed_rounds(engine, strategies, pair.asked_ids, outcomes, repeats, tick)
+    return CaseResult(
+        id=example.id,
+        prompt_tokens=len(pair.asked_ids),
+        num_chunks=len(example.chunks),
+        answers=list(example.answers),
+        outcomes=outcomes,
+    )
+
+
+def steps_per_case(strategies: Sequence[Strategy], repeats: int) -> int:
+    """Progress steps of one :func:`run_case` (one per prefill)."""
+    return len(strategies) * (1 + repeats)
+
+
+def run_examples(
+    engine: BenchEngine,
+    strategies: Sequence[Strategy],
+    examples: Sequence[RagExample],
+    repeats: int,
+    max_new_tokens: int,
+    tick: Progress = lambda n: None,
+) -> list[CaseResult]:
+    """:func:`run_case` for every example; example ``i`` is reordered with seed ``i``."""
+    return [
+        run_case(engine, strategies, ex, repeats, max_new_tokens, seed=i, tick=tick)
+        for i, ex in enumerate(examples)
+    ]
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """A prompt size of the sweep: about ``tokens`` prompt tokens in ``chunks`` chunks."""
+
+    tokens: int
+    chunks: int
+
+
+def run_sweep(
+    engine: BenchEngine,
+    strategies: Sequence[Strategy],
+    points: Sequence[SweepPoint],
+    repeats: int,
+    tick: Progress = lambda n: None,
+) -> list[CaseResult]:
+    """TTFT (and first-token KL) of every strategy at each prompt size; no decoding."""
+    cases = []
+    for point in points:
+        example = sweep_example(engine.count_tokens, point.tokens, point.chunks)
+        cases.append(run_case(engine, strategies, example, repeats, 0, seed=0, tick=tick))
+    return cases

@@ -1,0 +1,124 @@
+"""The strategies a benchmark compares, and the parsing of their command-line flags.
+
+A strategy is data: its kind (``full``, ``prefix``, ``blend``, ``epic``) and parameters. Engines
+decide how to run each kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FULL, PREFIX, BLEND, EPIC = "full", "prefix", "blend", "epic"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to prefill a prompt.
+
+    Attributes:
+        name: the label in tables, JSON and plots.
+        kind: ``full`` (no reuse), ``prefix`` (leading identical tokens only), ``blend``
+            (CacheBlend; ratio 0 is naive full reuse) or ``epic`` (static selection).
+        ratios: CacheBlend ratio per check layer (one value broadcasts), for ``blend``.
+        check_layers: CacheBlend check layers, for ``blend``.
+        epic_k: leading tokens of each chunk recomputed, for ``epic``.
+        block_size: prefix-cache granularity in tokens, for ``prefix`` (1 = any token).
+    """
+
+    name: str
+    kind: str
+    ratios: tuple[float, ...] = ()
+    check_layers: tuple[int, ...] = ()
+    epic_k: int = 0
+    block_size: int = 1
+
+    @property
+    def final_ratio(self) -> float | None:
+        """The ratio that decides how many reusable tokens reach the last layer (blend only)."""
+        return self.ratios[-1] if self.kind == BLEND and self.ratios else None
+
+
+def parse_floats(text: str) -> list[float]:
+    """``"0.05,0.15"`` -> ``[0.05, 0.15]``; raises ValueError naming the bad item."""
+    return [_number(item, float) for item in _items(text)]
+
+
+def parse_ints(text: str) -> list[int]:
+    """``"1,2"`` -> ``[1, 2]``; raises ValueError naming the bad item."""
+    return [_number(item, int) for item in _items(text)]
+
+
+def _items(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise ValueError(f"empty item in {text!r}")
+    return items
+
+
+def _number(item: str, kind: type):
+    try:
+        return kind(item)
+    except ValueError:
+        raise ValueError(f"{item!r} is not a valid {kind.__name__}") from None
+
+
+def parse_schedule(text: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """``"1,2:0.3,0.15"`` -> check layers ``(1, 2)`` and ratios ``(0.3, 0.15)``."""
+    if text.count(":") != 1:
+        raise ValueError(f"expected LAYERS:RATIOS such as 1,2:0.3,0.15, got {text!r}")
+    layers_text, ratios_text = text.split(":")
+    layers, ratios = tuple(parse_ints(layers_text)), tuple(parse_floats(ratios_text))
+    if len(ratios) not in (1, len(layers)):
+        raise ValueError(f"{text!r}: give one ratio or one per check layer ({len(layers)} layers)")
+    return layers, ratios
+
+
+def _fmt(values: Sequence[float | int]) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
+def blend_strategy(ratios: Sequence[float], check_layers: Sequence[int]) -> Strategy:
+    """CacheBlend with a schedule; ratio 0 everywhere is naive full reuse."""
+    ratios, layers = tuple(ratios), tuple(check_layers)
+    if all(r == 0 for r in ratios):
+        return Strategy("naive reuse", BLEND, ratios=(0.0,), check_layers=layers[:1])
+    if len(ratios) == 1:
+        name = f"CacheBlend r={ratios[0]:g}"
+        if layers != (1,):
+            name += f" L={_fmt(layers)}"
+    else:
+        name = f"CacheBlend r={_fmt(ratios)} L={_fmt(layers)}"
+    return Strategy(name, BLEND, ratios=ratios, check_layers=layers)
+
+
+def build_strategies(
+    ratios: Sequence[float] = (0.05, 0.15, 0.3),
+    check_layers: Sequence[int] = (1,),
+    schedules: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
+    epic_k: int = 16,
+    prefix_block: int = 16,
+    include_prefix: bool = True,
+    include_naive: bool = True,
+) -> list[Strategy]:
+    """Full prefill first (every other strategy is compared with it), then prefix caching,
+    naive reuse, one CacheBlend strategy per ratio (the ratio applied at every check layer), one
+    per explicit schedule (gradual filtering), and EPIC when ``epic_k`` > 0."""
+    out = [Strategy("full prefill", FULL)]
+    if include_prefix:
+        out.append(Strategy("prefix caching", PREFIX, block_size=max(1, prefix_block)))
+    if include_naive:
+        out.append(blend_strategy([0.0], check_layers))
+    for ratio in ratios:
+        if ratio == 0 and include_naive:
+            continue  # already there
+        out.append(blend_strategy([ratio], check_layers))
+    for layers, schedule_ratios in schedules:
+        out.append(blend_strategy(schedule_ratios, layers))
+    if epic_k > 0:
+        out.append(Strategy(f"EPIC k={epic_k}", EPIC, epic_k=epic_k))
+    names = [s.name for s in out]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        raise ValueError(f"strategies given twice: {sorted(duplicates)}")
+    return out

@@ -1,0 +1,139 @@
+"""The benchmark's run, table, JSON and plots over a fake engine (no model: fast, exact)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import pytest
+import torch
+
+from lmcache_backend.bench.cli import add_arguments, run
+from lmcache_backend.bench.engines import PrefillRun
+from lmcache_backend.bench.strategies import BLEND, EPIC, FULL, PREFIX
+
+VOCAB = 8
+
+
+class FakeEngine:
+    """Characters as tokens; a strategy's first-token logits drift from full prefill's as less
+    is recomputed, and its TTFT is proportional to what it computes."""
+
+    name = "fake"
+    model_name = "fake-model"
+    num_layers = 4
+
+    def __init__(self) -> None:
+        self.warmed: list[list[int]] = []
+        self.resets = 0
+
+    def describe(self):
+        return {"engine": "fake", "model": self.model_name, "dtype": "float32",
+                "ops_backend": "none", "threads": 1, "num_layers": self.num_layers}  # fmt: skip
+
+    def prompt_ids(self, system, chunks, question):
+        return [ord(c) for c in system + "|" + "|".join(chunks) + "|" + question]
+
+    def count_tokens(self, text):
+        return len(text)
+
+    def supports(self, strategy):
+        return strategy.kind != EPIC
+
+    def reset(self):
+        self.resets += 1
+        self.warmed.clear()
+
+    def warm(self, token_ids):
+        self.warmed.append(list(token_ids))
+
+    def prefill(self, strategy, token_ids, timed=True):
+        assert self.warmed, "prefill before warm"
+        n = len(token_ids)
+        share = {FULL: 1.0, PREFIX: 1.0, BLEND: strategy.final_ratio or 0.0}[strategy.kind]
+        logits = torch.arange(VOCAB, dtype=torch.float32)
+        # Below ratio 0.5 the answer changes: the greedy token moves from 7 to 0.
+        logits[0] += 10.0 * (1 - share)
+        computed = max(1, int(share * n))
+        return PrefillRun(logits, 0.001 * computed, computed, computed * self.num_layers,
+                          n - computed, None, logits)  # fmt: skip
+
+    def decode(self, token_ids, run, max_new_tokens):
+        return f"answer {int(run.logits.argmax())}"
+
+    def cache_bytes(self, strategy):
+        return 0 if strategy.kind == FULL else 1024 * 1024
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [
+        {
+            "id": f"e{i}",
+            "system": "S",
+            "chunks": ["aaaa", "bbbbbb", "cc"],
+            "question": "Q?",
+            "answers": ["answer 7"],
+        }  # fmt: skip
+        for i in range(3)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_run_json_table_and_plots(tmp_path, dataset):
+    pytest.importorskip("matplotlib")
+    engine = FakeEngine()
+    args = _parse(
+        "--dataset", str(dataset), "--repeats", "2", "--ratios", "0.25,0.75",
+        "--sweep", "--sweep-tokens", "2000,8000", "--sweep-chunks", "2,4", "--sweep-repeats", "1",
+        "--json", str(tmp_path / "j" / "r.json"), "--plots", str(tmp_path / "p"), "--no-progress",
+    )  # fmt: skip
+    out = io.StringIO()
+    run(args, out=out, engine=engine)
+    data = json.loads((tmp_path / "j" / "r.json").read_text())
+    rows = {r["strategy"]: r for r in data["strategies"]}
+    assert list(rows) == [
+        "full prefill", "prefix caching", "naive reuse", "CacheBlend r=0.25", "CacheBlend r=0.75",
+        "CacheBlend r=0.3,0.15 L=1,2",
+    ]  # fmt: skip
+    assert "cannot run: EPIC k=16" in out.getvalue()
+    # 3 prompts + 3 distinct sweep sizes ((2000,4), (8000,4), (8000,2)), each reset and warmed once.
+    assert engine.resets == 6
+    assert rows["full prefill"]["accuracy"] == 1.0 and rows["prefix caching"]["agreement"] == 1.0
+    assert rows["naive reuse"]["accuracy"] == 0.0 and rows["naive reuse"]["kl"] > 1.0
+    assert rows["CacheBlend r=0.75"]["accuracy"] == 1.0
+    assert rows["CacheBlend r=0.75"]["accuracy_recovered"] == 1.0
+    assert rows["CacheBlend r=0.25"]["accuracy_recovered"] == 0.0
+    assert 0 < rows["CacheBlend r=0.25"]["kl_recovered"] < 1
+    # TTFT is proportional to the computed tokens: the ratio is the share (floored).
+    assert rows["CacheBlend r=0.75"]["ttft_ratio"] == pytest.approx(0.75, abs=0.06)
+    assert rows["full prefill"]["cache_bytes"] == 0
+    assert len(data["examples"]) == 3
+    assert all(len(o["ttft_s"]) == 2 for c in data["examples"] for o in c["outcomes"])
+    sweep = data["sweep"]
+    assert [c["num_chunks"] for c in sweep["by_length"]] == [4, 4]
+    assert [c["num_chunks"] for c in sweep["by_chunks"]] == [2, 4]
+    assert sweep["by_length"][0]["prompt_tokens"] < sweep["by_length"][1]["prompt_tokens"]
+    printed = out.getvalue()
+    assert "TTFT by context length" in printed and "TTFT by number of chunks" in printed
+    pngs = sorted(p.name for p in (tmp_path / "p").glob("*.png"))
+    assert pngs == ["accuracy_vs_ratio.png", "ttft_vs_chunks.png", "ttft_vs_context_length.png"]
+
+
+def test_bad_flags_stop_with_a_message(tmp_path, dataset):
+    with pytest.raises(SystemExit, match="check layers \\[9\\]"):
+        run(_parse("--dataset", str(dataset), "--check-layers", "9", "--no-progress"),
+            out=io.StringIO(), engine=FakeEngine())  # fmt: skip
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):
+        run(_parse("--dataset", str(bad), "--no-progress"), out=io.StringIO(), engine=FakeEngine())
