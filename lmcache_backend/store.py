@@ -11,15 +11,12 @@ live in :mod:`lmcache_backend.storage`.
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -295,3 +295,18 @@ def test_static_recompute_selection(tiny) -> None:
     # everything else is the re-rotated cache: far from a full prefill, unlike ratio 1
     full = hf_full_prefill(model, tokens).logits
     assert (result.logits - full).abs().max() > 1e-4
+
+
+def test_sliding_window_span() -> None:
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig, Qwen2Config
+
+    from lmcache_backend.models.base import sliding_window_span
+
+    assert sliding_window_span(MistralConfig(sliding_window=4096)) == 4096
+    assert sliding_window_span(MistralConfig(sliding_window=None)) is None
+    assert sliding_window_span(Qwen2Config(sliding_window=1024, use_sliding_window=True)) == 1024
+    # a config that keeps the window but switches it off (transformers clears it; others may not)
+    kept = SimpleNamespace(sliding_window=1024, use_sliding_window=False)
+    assert sliding_window_span(kept) is None

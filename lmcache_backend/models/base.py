@@ -82,6 +82,16 @@ class ModelAdapter(ABC):
         """Final norm and LM head: ``[N, hidden] -> [N, vocab]`` (fp32)."""
 
 
+def sliding_window_span(config) -> int | None:
+    """The sliding window an HF model config applies, or None when attention sees every token.
+
+    Qwen2/Qwen3 keep ``sliding_window`` in the config but switch it on with ``use_sliding_window``.
+    """
+    window = getattr(config, "sliding_window", None)
+    use_window = getattr(config, "use_sliding_window", window is not None)
+    return int(window) if (window and use_window) else None
+
+
 def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     """vLLM-style ``[max_positions, 2 * len(inv_freq)]`` fp32 table: cosines then sines."""
     positions = torch.arange(max_positions, dtype=torch.float64, device=inv_freq.device)

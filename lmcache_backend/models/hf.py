@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from lmcache_backend.models.base import ModelAdapter, rope_cos_sin_cache
+from lmcache_backend.models.base import ModelAdapter, rope_cos_sin_cache, sliding_window_span
 from lmcache_backend.store import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -66,9 +66,7 @@ class HFModelAdapter(ModelAdapter):
         self.cos_sin_cache = rope_cos_sin_cache(rotary.inv_freq.float().cpu(), max_pos).to(
             self.device
         )
-        window = getattr(config, "sliding_window", None)
-        use_window = getattr(config, "use_sliding_window", window is not None)
-        self.max_exact_tokens = int(window) if (window and use_window) else None
+        self.max_exact_tokens = sliding_window_span(config)
         self._model_type = model_type
         rope_params = getattr(config, "rope_parameters", None) or {
             "rope_theta": getattr(config, "rope_theta", None),

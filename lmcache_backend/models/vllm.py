@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lmcache_backend.compat.vllm import current_profile
-from lmcache_backend.models.base import ModelAdapter
+from lmcache_backend.models.base import ModelAdapter, sliding_window_span
 from lmcache_backend.store import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -139,9 +139,7 @@ class VLLMModelAdapter(ModelAdapter):
         # model dtype on first use.
         self.cos_sin_cache = rotary._compute_cos_sin_cache().float().to(self.device)
         hf = vllm_config.model_config.hf_config
-        window = getattr(hf, "sliding_window", None)
-        use_window = getattr(hf, "use_sliding_window", window is not None)
-        self.max_exact_tokens = int(window) if (window and use_window) else None
+        self.max_exact_tokens = sliding_window_span(hf)
         self._fingerprint = vllm_fingerprint(vllm_config)
         self._embed = self._profile.embedding_accessor(model)
 
