@@ -62,6 +62,24 @@ def split_segments(tokens: Sequence[int], separator: Sequence[int]) -> list[Segm
     return segments
 
 
+def ends_with_separator(tokens: Sequence[int], segment: Segment, separator: Sequence[int]) -> bool:
+    """Whether ``segment`` of ``tokens`` ends with ``separator``: a system part or a chunk, not
+    the query tail after the last separator."""
+    m = len(separator)
+    return len(segment) >= m and list(tokens[segment.end - m : segment.end]) == list(separator)
+
+
+def cacheable_segments(tokens: Sequence[int], separator: Sequence[int]) -> list[Segment]:
+    """The segments of ``tokens`` that end with the separator.
+
+    The tail after the last separator (the question and the assistant header) is left out: it
+    is new in every real request, so it is always computed and never stored.
+    """
+    return [
+        s for s in split_segments(tokens, separator) if ends_with_separator(tokens, s, separator)
+    ]
+
+
 @dataclass(frozen=True)
 class BlendPrompt:
     """A prompt built by :func:`build_blend_prompt`.

@@ -11,6 +11,7 @@ import torch
 from lmcache_backend.config import load_config
 from lmcache_backend.examples import builtin_examples, reordered
 from lmcache_backend.segmenting import build_blend_prompt
+from lmcache_backend.store import SegmentKV
 
 pytestmark = pytest.mark.slow
 
@@ -92,20 +93,44 @@ def test_blended_generation_produces_text(engine, prompts) -> None:
     assert generation.prefill.blend.blended
 
 
-def test_blended_prompt_stores_only_uncached_segments(engine, prompts) -> None:
+def test_blended_prompt_stores_new_chunks_never_the_question(engine, prompts) -> None:
     example = builtin_examples(count=4)[3]
+    new_chunk = "Ottoline Vance keeps bees on a roof in the harbour town of Saltmere."
     second = build_blend_prompt(
         engine.tokenizer,
         example.system,
-        reordered(example.chunks, 1),
+        reordered(example.chunks, 1) + [new_chunk],
         "Which profile mentions a band?",
     ).token_ids
     prefill = engine.blend_prefill(second, [0.15])
-    keys = [engine.segment_cache.key(second, seg) for seg in engine.segment_cache.segments(second)]
+    segments = engine.segment_cache.segments(second)
+    keys = [engine.segment_cache.key(second, seg) for seg in segments]
     before = [engine.store.contains(k) for k in keys]
-    assert before[:-1] == [True] * (len(keys) - 1) and before[-1] is False  # new question
+    # system part and the four known chunks cached; the new chunk and the question not
+    assert before == [True] * (len(keys) - 2) + [False, False]
     stored = engine.store_prompt(second, prefill)
-    assert stored == 1 and engine.store.contains(keys[-1])
+    assert stored == 1 and engine.store.contains(keys[-2])
+    assert not engine.store.contains(keys[-1])  # the question is never stored
+
+
+def test_cached_question_is_still_recomputed(engine, prompts) -> None:
+    """A question an earlier prompt held (even stored by hand) is never served from the store."""
+    first, second = prompts[0]
+    segments = engine.segment_cache.segments(second)
+    tail = segments[-1]
+    full = engine.full_prefill(second)
+    engine.segment_cache.store.put(
+        engine.segment_cache.key(second, tail),
+        SegmentKV(
+            keys=torch.stack([k[tail.start : tail.end] for k in full.keys]),
+            values=torch.stack([v[tail.start : tail.end] for v in full.values]),
+            start_position=tail.start,
+        ),
+    )
+    result = engine.blend_prefill(second, [0.15]).blend
+    assert result.blended
+    assert not bool(result.valid_mask[tail.start :].any())
+    assert set(range(tail.start, len(second))) <= set(result.recomputed.tolist())
 
 
 def test_demo_prints_table_and_json(tmp_path) -> None:

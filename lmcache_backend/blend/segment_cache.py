@@ -2,6 +2,11 @@
 
 Looks segments up (validating each entry's layout against the model before use) and stores the
 K/V of a prompt's segments after it was computed.
+
+Only segments that end with the separator (the system part and the chunks) are cached. The tail
+after the last separator is the query: the question and the assistant header. It is new in every
+real RAG request, so it is never served from the store (even when an earlier prompt held the same
+question, its K/V were computed against another context) and never stored.
 """
 
 from __future__ import annotations
@@ -11,7 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_backend.segmenting import Segment, split_segments
+from lmcache_backend.segmenting import (
+    Segment,
+    cacheable_segments,
+    ends_with_separator,
+    split_segments,
+)
 from lmcache_backend.store import ModelFingerprint, SegmentKV, SegmentStore, segment_key
 
 logger = logging.getLogger(__name__)
@@ -30,18 +40,34 @@ class SegmentCache:
             raise ValueError("the separator must hold at least one token id")
 
     def segments(self, tokens: Sequence[int]) -> list[Segment]:
+        """Every segment of ``tokens``, the query tail included."""
         return split_segments(tokens, self.separator)
+
+    def cacheable(self, tokens: Sequence[int], segment: Segment) -> bool:
+        """Whether ``segment`` ends with the separator, i.e. is a chunk and not the query tail."""
+        return ends_with_separator(tokens, segment, self.separator)
+
+    def cacheable_segments(self, tokens: Sequence[int]) -> list[Segment]:
+        """The segments that may be served from and stored to the store (not the query tail)."""
+        return cacheable_segments(tokens, self.separator)
 
     def key(self, tokens: Sequence[int], segment: Segment) -> str:
         return segment_key(self.fingerprint, tokens[segment.start : segment.end])
 
     def cached(self, tokens: Sequence[int]) -> list[tuple[Segment, bool]]:
-        """Each segment with whether the store holds it (no value is loaded)."""
-        return [(seg, self.store.contains(self.key(tokens, seg))) for seg in self.segments(tokens)]
+        """Each cacheable segment with whether the store holds it (no value is loaded)."""
+        return [
+            (seg, self.store.contains(self.key(tokens, seg)))
+            for seg in self.cacheable_segments(tokens)
+        ]
 
     def lookup(self, tokens: Sequence[int]) -> list[tuple[Segment, SegmentKV | None]]:
-        """Each segment with its cached K/V, or None on a miss or an unusable entry."""
-        return [(seg, self._load(tokens, seg)) for seg in self.segments(tokens)]
+        """Each segment with its cached K/V, or None on a miss, an unusable entry or the query
+        tail (never served from the store)."""
+        return [
+            (seg, self._load(tokens, seg) if self.cacheable(tokens, seg) else None)
+            for seg in self.segments(tokens)
+        ]
 
     def _load(self, tokens: Sequence[int], segment: Segment) -> SegmentKV | None:
         kv = self.store.get(self.key(tokens, segment))
@@ -69,22 +95,41 @@ class SegmentCache:
         values: Sequence[torch.Tensor],
         only: Sequence[Segment] | None = None,
     ) -> int:
-        """Store segments of a computed prompt; returns how many new entries were written.
+        """Store cacheable segments of a computed prompt; returns how many new entries were
+        written.
 
         Args:
             tokens: the prompt, ``T`` ids.
             keys, values: per layer ``[T, Hkv, D]`` (post-RoPE keys at positions ``0..T-1``).
-            only: store just these segments (default: every segment).
+            only: store just these segments (default: every cacheable segment); the query tail
+                is skipped whatever is asked.
         """
         stored = 0
-        for segment in self.segments(tokens) if only is None else only:
-            key = self.key(tokens, segment)
-            if self.store.contains(key):
-                continue
-            kv = SegmentKV(
-                keys=torch.stack([k[segment.start : segment.end] for k in keys]),
-                values=torch.stack([v[segment.start : segment.end] for v in values]),
-                start_position=segment.start,
+        for segment in self.cacheable_segments(tokens) if only is None else only:
+            rows = slice(segment.start, segment.end)
+            stored += self.store_segment(
+                tokens, segment, [k[rows] for k in keys], [v[rows] for v in values]
             )
-            stored += int(self.store.put(key, kv))
         return stored
+
+    def store_segment(
+        self,
+        tokens: Sequence[int],
+        segment: Segment,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+    ) -> int:
+        """Store one segment from its own rows: per layer ``[len(segment), Hkv, D]`` K and V
+        (keys rotated at positions ``segment.start ..``). Returns 1 if a new entry was written,
+        0 if it was already held, too large, or the query tail."""
+        if not self.cacheable(tokens, segment):
+            return 0
+        key = self.key(tokens, segment)
+        if self.store.contains(key):
+            return 0
+        kv = SegmentKV(
+            keys=torch.stack(list(keys)),
+            values=torch.stack(list(values)),
+            start_position=segment.start,
+        )
+        return int(self.store.put(key, kv))

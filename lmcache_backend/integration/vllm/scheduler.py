@@ -18,7 +18,7 @@ from typing import Any
 
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
-from lmcache_backend.segmenting import split_segments
+from lmcache_backend.segmenting import cacheable_segments
 from lmcache_backend.storage import create_lookup
 from lmcache_backend.store import ModelFingerprint, segment_key
 
@@ -88,9 +88,10 @@ class SchedulerSide:
         if config is None or end <= num_computed_tokens:
             return 0
         self.stats.requests += 1
+        # The query tail (after the last separator) is always computed: never counted as cached.
         segments = [
             s
-            for s in split_segments(tokens, self.settings.separator)
+            for s in cacheable_segments(tokens, self.settings.separator)
             if s.end > num_computed_tokens
         ]
         keys = [segment_key(self.fingerprint, tokens[s.start : s.end]) for s in segments]

@@ -271,12 +271,15 @@ class WorkerSide:
         """Store the segments of ``spec``'s prompt the store lacks; returns how many."""
         self._ensure_ready()
         tokens = spec.token_ids
+        # cached() covers the chunks only: the query tail is never stored.
         missing = [seg for seg, hit in self.segments.cached(tokens) if not hit]
         if not missing:
             return 0
         slots = slots_for(spec.block_ids, self.block_size, 0, len(tokens))
-        keys, values = self._read_all_layers(slots)
-        stored = self.segments.store_segments(tokens, keys, values, only=missing)
+        stored = 0
+        for segment in missing:  # read back only the rows of the segments to store
+            keys, values = self._read_all_layers(slots[segment.start : segment.end])
+            stored += self.segments.store_segment(tokens, segment, keys, values)
         self.stored_segments += stored
         logger.debug("request %s: stored %d segments", spec.req_id, stored)
         return stored
