@@ -22,6 +22,7 @@ def _strategy_fields(strategy: Strategy) -> dict[str, Any]:
         "check_layers": list(strategy.check_layers),
         "epic_k": strategy.epic_k,
         "prefix_block_size": strategy.block_size,
+        "selection": strategy.selection,
     }
 
 

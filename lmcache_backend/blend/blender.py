@@ -19,16 +19,23 @@ attention span) the same loop runs with every token active: a full prefill, logg
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from lmcache_backend.blend.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
+from lmcache_backend.blend.selection import (
+    NEEDS_QUERY_ATTENTION,
+    SCORERS,
+    CheckInputs,
+    query_attention_mass,
+)
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.models.base import ModelAdapter
 from lmcache_backend.ops import Ops, get_ops
+from lmcache_backend.ops.reference import select_topk_with_invalid, selection_count
 from lmcache_backend.store import SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -52,6 +59,10 @@ class BlendMetadata:
         valid_mask: ``[T]`` bool: the token's cached K/V is reused.
         num_reusable: number of valid tokens; every check layer's ratio applies to it.
         schedule: check layer -> ratio.
+        query_start: index of the first query token: the tokens after the last reusable one
+            (the question and the assistant header), always computed.
+        query_attention: ``[T]`` fp32 attention mass from the query tokens accumulated over the
+            layers up to the last check layer, for the query-aware selections; else None.
         task: the retrieval, or None when nothing is reused.
         cached_prefix: per-layer ``[P, Hkv, D]`` K and V of tokens ``0..P-1`` that were
             computed at their current positions (e.g. already in the engine's paged cache).
@@ -66,6 +77,8 @@ class BlendMetadata:
     num_reusable: int
     schedule: dict[int, float]
     task: SPTBlendRetrieverTask | None
+    query_start: int = 0
+    query_attention: torch.Tensor | None = None
     cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
@@ -121,6 +134,8 @@ class LMCBlender:
         separator: the separator's token ids (``blend_special_str`` encoded without special
             tokens, see :func:`lmcache_backend.segmenting.separator_token_ids`).
         ops: op set; defaults to ``get_ops(config.backend)``.
+        score_reducer: applied to each check layer's ``[N]`` token scores before choosing, e.g.
+            a sum over tensor-parallel ranks so every rank keeps the same tokens (default: none).
     """
 
     def __init__(
@@ -131,8 +146,10 @@ class LMCBlender:
         model: ModelAdapter,
         separator: Sequence[int],
         ops: Ops | None = None,
+        score_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         config.validate_for_model(model.num_layers)
+        self.score_reducer = score_reducer
         self.cache_engine = cache_engine
         self.gpu_connector = gpu_connector
         self.config = config
@@ -204,12 +221,15 @@ class LMCBlender:
             chosen[-1] = True
             active = torch.nonzero(chosen, as_tuple=False).flatten()
             schedule = {}
+        reusable_at = torch.nonzero(valid, as_tuple=False).flatten()
+        query_start = int(reusable_at[-1]) + 1 if reusable_at.numel() else 0
         return BlendMetadata(
             positions=torch.arange(num_tokens, device=device),
             active=active.to(device),
             valid_mask=valid.to(device),
             num_reusable=num_reusable,
             schedule=schedule,
+            query_start=query_start,
             task=task if num_reusable else None,
             cached_prefix=cached_prefix if num_reusable else None,
             fallback_reason=reason,
@@ -253,6 +273,71 @@ class LMCBlender:
             self.ops.scatter_rows(keys, moved, rows)
         return keys, values
 
+    def _accumulate_query_attention(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        keys: torch.Tensor,
+        meta: BlendMetadata,
+    ) -> None:
+        """Add this layer's attention mass from the query tokens to ``meta.query_attention``.
+
+        Runs up to the last check layer only. Before the first check layer every token is fresh
+        (``k`` holds them all); at a later check layer the keys are the cached rows with the
+        active tokens' fresh rows in.
+        """
+        if layer_id > max(meta.schedule):
+            return
+        num_tokens = meta.positions.numel()
+        query_rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
+        if query_rows.numel() == 0:
+            return
+        if meta.active.numel() == num_tokens:
+            current = k
+        else:
+            current = keys.clone()
+            self.ops.scatter_rows(current, meta.active, k)
+        mass = query_attention_mass(
+            self.ops.gather_rows(q, query_rows),
+            current,
+            meta.positions[meta.active[query_rows]],
+            self.model.attn_scale,
+        )
+        meta.query_attention = mass if meta.query_attention is None else meta.query_attention + mass
+
+    def _select(
+        self,
+        layer_id: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        meta: BlendMetadata,
+    ) -> torch.Tensor:
+        """Rows of the active tokens a check layer keeps (sorted ``[M]`` int64), before the last
+        token is added."""
+        ratio, selection = meta.schedule[layer_id], self.config.blend_selection
+        cached_k = self.ops.gather_rows(keys, meta.active)
+        valid = meta.valid_mask[meta.active]
+        if selection == "kv_deviation":  # LMCache's selection, on the backend's fused op
+            return self.ops.kv_deviation_topk(k, cached_k, valid, ratio, meta.num_reusable)
+        inputs = CheckInputs(
+            k_fresh=k,
+            v_fresh=v,
+            k_cached=cached_k,
+            v_cached=self.ops.gather_rows(values, meta.active),
+            valid=valid,
+            query_attention=None
+            if meta.query_attention is None
+            else meta.query_attention[meta.active],
+        )
+        scores = SCORERS[selection](inputs)
+        if self.score_reducer is not None:
+            scores = self.score_reducer(scores)
+        count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
+        return select_topk_with_invalid(scores, valid, count)
+
     def process_qkv(
         self,
         q: torch.Tensor,
@@ -289,14 +374,10 @@ class LMCBlender:
             keys, values = k, v
         else:  # pragma: no cover - a subset is active only after a check layer with a task
             raise AssertionError("active subset without cached K/V")
+        if self.config.blend_selection in NEEDS_QUERY_ATTENTION and meta.schedule:
+            self._accumulate_query_attention(layer_id, q, k, keys, meta)
         if is_check:
-            keep = self.ops.kv_deviation_topk(
-                k,
-                self.ops.gather_rows(keys, meta.active),
-                meta.valid_mask[meta.active],
-                meta.schedule[layer_id],
-                meta.num_reusable,
-            )
+            keep = self._select(layer_id, k, v, keys, values, meta)
             last = meta.active.numel() - 1
             if keep.numel() == 0 or int(keep[-1]) != last:  # the last token always stays
                 keep = torch.cat([keep, torch.tensor([last], device=keep.device)])

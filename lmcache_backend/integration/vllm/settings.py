@@ -2,7 +2,8 @@
 
 Sources: ``LMCACHE_CONFIG_FILE`` / ``LMCACHE_*`` environment variables, then vLLM's
 ``kv_connector_extra_config`` on top. Per request, ``kv_transfer_params`` may carry
-``{"blend": false}`` (no reuse for this request) or ``{"blend_recompute_ratios": [...]}``.
+``{"blend": false}`` (no reuse for this request), ``{"blend_recompute_ratios": [...]}``,
+``{"blend_check_layers": [...]}`` or ``{"blend_selection": "..."}``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from lmcache_backend.config import BlendConfig, ConfigError, load_config
 from lmcache_backend.segmenting import separator_token_ids
 
 logger = logging.getLogger(__name__)
+
+#: Blend settings a request may override through ``kv_transfer_params``.
+REQUEST_KEYS = ("blend_recompute_ratios", "blend_check_layers", "blend_selection")
 
 #: ``kv_connector_extra_config`` keys that belong to vLLM's side, not to :class:`BlendConfig`.
 CONNECTOR_KEYS = ("instance_id", "stats_file", "allow_untested_versions")
@@ -100,9 +104,7 @@ def request_config(config: BlendConfig, params: dict | None) -> BlendConfig | No
         return config
     if params.get("blend") is False:
         return None
-    changes = {
-        k: params[k] for k in ("blend_recompute_ratios", "blend_check_layers") if k in params
-    }
+    changes = {k: params[k] for k in REQUEST_KEYS if k in params}
     if not changes:
         return config
     try:

@@ -97,6 +97,13 @@ def _tp_consistent_ops(ops: Ops) -> Ops:
     return replace(ops, kv_deviation_topk=topk)
 
 
+def _tp_sum(scores: torch.Tensor) -> torch.Tensor:
+    """Token scores summed over tensor-parallel ranks (each rank sees only its heads)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().all_reduce(scores.float().contiguous())
+
+
 class WorkerSide:
     """The worker-side state: model adapter, store, paged layout, blenders."""
 
@@ -197,11 +204,19 @@ class WorkerSide:
             changes["blend_recompute_ratios"] = spec.recompute_ratios
         if spec.check_layers is not None:
             changes["blend_check_layers"] = spec.check_layers
-        key = tuple(sorted((k, tuple(v)) for k, v in changes.items()))
+        if spec.selection is not None:
+            changes["blend_selection"] = spec.selection
+        key = tuple(sorted((k, str(v)) for k, v in changes.items()))
         if key not in self._blenders:
             cfg = config.replace(**changes) if changes else config
             self._blenders[key] = LMCBlender(
-                self.store, self._writer, cfg, self.model, self.settings.separator, self._ops()
+                self.store,
+                self._writer,
+                cfg,
+                self.model,
+                self.settings.separator,
+                self._ops(),
+                score_reducer=_tp_sum if self.settings.tp_size > 1 else None,
             )
         return self._blenders[key]
 
