@@ -27,7 +27,13 @@ ENV_PREFIX = "LMCACHE_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 BACKEND_CHOICES = ("auto", "torch", "cuda", "ascend")
 # Token selectors (lmcache_backend.blend.selection.SCORERS); kv_deviation is LMCache's.
-SELECTION_CHOICES = ("kv_deviation", "kv_deviation_v", "query_attention", "query_kv_deviation")
+SELECTION_CHOICES = (
+    "kv_deviation",
+    "kv_deviation_v",
+    "query_attention",
+    "query_kv_deviation",
+    "query_preview",
+)
 
 
 class ConfigError(ValueError):

@@ -11,6 +11,7 @@ from test_blender import C1, C2, C3, Q1, Q2, SYS, _prompt, _setup, _tiny_model, 
 
 from lmcache_backend.blend.selection import (
     NEEDS_QUERY_ATTENTION,
+    QUERY_PREVIEW,
     SCORERS,
     CheckInputs,
     query_attention_mass,
@@ -30,7 +31,7 @@ def _inputs(query_attention=None) -> CheckInputs:
 
 
 def test_every_configurable_selection_has_a_scorer() -> None:
-    assert set(SCORERS) == set(SELECTION_CHOICES)
+    assert set(SCORERS) | {QUERY_PREVIEW} == set(SELECTION_CHOICES)
     assert NEEDS_QUERY_ATTENTION <= set(SELECTION_CHOICES)
 
 

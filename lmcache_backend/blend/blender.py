@@ -28,6 +28,7 @@ import torch
 from lmcache_backend.blend.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
 from lmcache_backend.blend.selection import (
     NEEDS_QUERY_ATTENTION,
+    QUERY_PREVIEW,
     SCORERS,
     CheckInputs,
     query_attention_mass,
@@ -63,6 +64,8 @@ class BlendMetadata:
             (the question and the assistant header), always computed.
         query_attention: ``[T]`` fp32 attention mass from the query tokens accumulated over the
             layers up to the last check layer, for the query-aware selections; else None.
+        preloaded: per layer ``([T, Hkv, D], [T, Hkv, D])`` cached K/V already retrieved and
+            re-rotated (by a ``query_preview`` pass), used instead of retrieving again.
         task: the retrieval, or None when nothing is reused.
         cached_prefix: per-layer ``[P, Hkv, D]`` K and V of tokens ``0..P-1`` that were
             computed at their current positions (e.g. already in the engine's paged cache).
@@ -79,6 +82,7 @@ class BlendMetadata:
     task: SPTBlendRetrieverTask | None
     query_start: int = 0
     query_attention: torch.Tensor | None = None
+    preloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
@@ -241,6 +245,8 @@ class LMCBlender:
         self, layer_id: int, meta: BlendMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Retrieved ``[T, Hkv, D]`` K/V of ``layer_id``, keys re-rotated to the new positions."""
+        if meta.preloaded is not None:
+            return meta.preloaded[layer_id]
         model, num_tokens = self.model, meta.positions.numel()
         res = meta.task.result(layer_id)
         original = res.original_positions
@@ -395,6 +401,73 @@ class LMCBlender:
 
     # -- whole request --------------------------------------------------------------------
 
+    def _run_layers(
+        self,
+        meta: BlendMetadata,
+        token_ids: torch.Tensor,
+        writer: KVLayerWriter | None,
+        query_mass: torch.Tensor | None = None,
+    ) -> Generator[int, None, torch.Tensor]:
+        """Every layer for ``meta``'s active tokens, yielding each finished layer id; returns the
+        last layer's hidden states ``[N, hidden]``. ``query_mass`` (``[T]`` fp32), when given,
+        receives the attention mass from the query tokens at every layer."""
+        model = self.model
+        hidden = model.embed(token_ids[meta.active.cpu()])  # all tokens unless a fixed selection
+        for layer in range(model.num_layers):
+            x = model.attention_input(layer, hidden)
+            q, k, v = model.qkv(layer, x, meta.positions[meta.active])
+            q, keys, values, hidden, _, meta = self.process_qkv(q, k, v, hidden, layer, None, meta)
+            positions = meta.positions[meta.active]
+            if query_mass is not None:
+                rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
+                query_mass += query_attention_mass(
+                    self.ops.gather_rows(q, rows), keys, positions[rows], model.attn_scale
+                )
+            attn = self.ops.attention_at_positions(q, keys, values, positions, model.attn_scale)
+            hidden = hidden + model.attention_output(layer, attn)
+            hidden = model.mlp_block(layer, hidden)
+            if writer is not None:
+                writer.write_layer(layer, keys, values)
+            yield layer
+        return hidden
+
+    def _preview_selection(self, meta: BlendMetadata, token_ids: torch.Tensor) -> None:
+        """``query_preview``: choose the recomputed tokens before the blend.
+
+        The query tokens (and any uncached ones) run alone through every layer over the cached
+        K/V, as naive reuse computes them; the reusable tokens they attend to most, summed over
+        layers and heads, are recomputed in every layer of the blend that follows. ``meta`` is
+        switched to that fixed selection in place and keeps the preview's re-rotated cached K/V
+        (the blend would compute the same rows again) and its token-layers.
+        """
+        valid = meta.valid_mask
+        preview_rows = ~valid
+        preview_rows[-1] = True
+        preview = BlendMetadata(
+            positions=meta.positions,
+            active=torch.nonzero(preview_rows, as_tuple=False).flatten(),
+            valid_mask=valid,
+            num_reusable=meta.num_reusable,
+            schedule={},
+            task=meta.task,
+            query_start=meta.query_start,
+            cached_prefix=meta.cached_prefix,
+        )
+        mass = torch.zeros(meta.positions.numel(), dtype=torch.float32, device=valid.device)
+        for _ in self._run_layers(preview, token_ids, None, mass):
+            pass
+        if self.score_reducer is not None:
+            mass = self.score_reducer(mass)
+        ratio = list(meta.schedule.values())[-1]
+        count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
+        chosen = torch.zeros_like(valid)
+        chosen[select_topk_with_invalid(mass, valid, count)] = True
+        chosen[-1] = True
+        meta.active = torch.nonzero(chosen, as_tuple=False).flatten()
+        meta.schedule = {}
+        meta.preloaded = list(zip(preview.keys, preview.values))
+        meta.token_layers = preview.token_layers
+
     @torch.no_grad()
     def blend_layer(
         self,
@@ -405,24 +478,13 @@ class LMCBlender:
         """Run the request layer by layer, yielding each finished layer id; the generator's
         return value (``StopIteration.value``) is the :class:`BlendResult`. ``request`` takes
         :meth:`start_request`'s keyword arguments (``cached_prefix``, ``recompute``)."""
-        model = self.model
         meta = self.start_request(tokens, mask, **request)
         token_ids = torch.as_tensor(tokens, dtype=torch.int64)
-        hidden = model.embed(token_ids[meta.active.cpu()])  # all tokens unless a fixed selection
-        for layer in range(model.num_layers):
-            x = model.attention_input(layer, hidden)
-            q, k, v = model.qkv(layer, x, meta.positions[meta.active])
-            q, keys, values, hidden, _, meta = self.process_qkv(q, k, v, hidden, layer, None, meta)
-            attn = self.ops.attention_at_positions(
-                q, keys, values, meta.positions[meta.active], model.attn_scale
-            )
-            hidden = hidden + model.attention_output(layer, attn)
-            hidden = model.mlp_block(layer, hidden)
-            if self.gpu_connector is not None:
-                self.gpu_connector.write_layer(layer, keys, values)
-            yield layer
+        if self.config.blend_selection == QUERY_PREVIEW and meta.schedule:
+            self._preview_selection(meta, token_ids)
+        hidden = yield from self._run_layers(meta, token_ids, self.gpu_connector)
         return BlendResult(
-            logits=model.logits(hidden[-1:])[0],
+            logits=self.model.logits(hidden[-1:])[0],
             keys=meta.keys,
             values=meta.values,
             valid_mask=meta.valid_mask.cpu(),

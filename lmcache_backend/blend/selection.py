@@ -18,6 +18,12 @@ names the selector:
     Tokens the question reads are recomputed whether or not their cached K/V drifted.
 ``query_kv_deviation``
     The product of the two: tokens whose cached K/V drifted *and* that the question reads.
+``query_preview``
+    No check layer: a preview pass runs the query tokens alone through every layer over the
+    cached K/V (what naive reuse computes), and the reusable tokens they attend to most, summed
+    over all layers and heads, are recomputed in every layer of the blend (the final ratio of
+    ``blend_recompute_ratios``; ``blend_check_layers`` is not used). The preview costs the query's
+    tokens times the layers; its re-rotated cached K/V serve the blend.
 
 Scores are per token ``[N]`` fp32; with tensor parallelism each rank sees only its heads, so the
 blender sums scores over ranks (``score_reducer``) before choosing, and every rank keeps the same
@@ -32,6 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from lmcache_backend.ops.reference import token_deviation
+
+#: The selection that previews the query over the cached K/V instead of checking a layer.
+QUERY_PREVIEW = "query_preview"
 
 #: Selections that need the query's attention at the layers before (and at) the check layer.
 NEEDS_QUERY_ATTENTION = frozenset({"query_attention", "query_kv_deviation"})
