@@ -256,6 +256,7 @@ def test_summarize_pools_pairs_and_compares_with_naive():
     assert naive["ttft_ratio"] == pytest.approx(0.4)
     assert naive["speedup"] == pytest.approx(2.6666666, rel=1e-6)
     assert naive["accuracy"] == 0.5 and full["accuracy"] == 1.0
+    assert naive["accuracy_vs_full"] == 0.5 and full["accuracy_vs_full"] == 1.0
     assert naive["recomputed_frac"] == pytest.approx(0.1)
     assert naive["accuracy_recovered"] == 0.0 and full["accuracy_recovered"] == 1.0
     assert naive["kl_recovered"] == 0.0

@@ -117,3 +117,40 @@ def test_query_attention_selection_keeps_what_the_question_reads(llama) -> None:
     count = int(0.2 * int(valid.sum()))
     top = torch.topk(mass.masked_fill(~valid, -1.0), count).indices.tolist()
     assert result.recomputed.tolist() == sorted(top + list(range(query_start, len(tokens))))
+
+
+def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch) -> None:
+    """The preview's attention mass decides the fixed selection: with a mass that favours known
+    tokens, exactly those (plus the query) are recomputed in every layer."""
+    import lmcache_backend.blend.blender as blender_module
+
+    blender, cache = _setup(llama, ratios=(0.1,), selection="query_preview")
+    _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    query_start = len(tokens) - len(Q2)
+    favoured = [3, 17, 40, 41, 77, 90, 101, 110, 120, 130, 140, 141, 142, 143, 5, 6]
+    count = int(0.1 * query_start)
+
+    def fake_mass(q, k, positions, scale):
+        mass = torch.zeros(k.shape[0])
+        mass[favoured] = torch.arange(len(favoured), 0, -1, dtype=torch.float32)
+        return mass
+
+    monkeypatch.setattr(blender_module, "query_attention_mass", fake_mass)
+    result = blender.blend(tokens)
+    query = list(range(query_start, len(tokens)))
+    assert result.recomputed.tolist() == sorted(favoured[:count]) + query
+    layers = blender.model.num_layers
+    # the preview (query tokens) and the blend (selection + query), every layer
+    assert result.token_layers == layers * (len(query) + count + len(query))
+
+
+def test_query_preview_is_closer_to_full_prefill_than_naive_reuse(llama) -> None:
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    full = hf_full_prefill(llama, tokens).logits
+    errors = {}
+    for selection, ratio in (("query_preview", 0.3), ("kv_deviation", 0.0)):
+        blender, cache = _setup(llama, ratios=(ratio,), selection=selection)
+        _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
+        errors[selection] = float((blender.blend(tokens).logits - full).abs().max())
+    assert errors["query_preview"] < errors["kv_deviation"]
