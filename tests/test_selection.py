@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_blender import C1, C2, C3, Q1, Q2, SYS, _prompt, _setup, _tiny_model, _warm
+from test_blender import C1, C2, C3, Q1, Q2, SEP, SYS, _prompt, _setup, _tiny_model, _warm
 
 from lmcache_backend.blend.selection import (
     NEEDS_QUERY_ATTENTION,
@@ -115,7 +115,9 @@ def test_query_attention_selection_keeps_what_the_question_reads(llama) -> None:
         )
     valid = result.valid_mask
     count = int(0.2 * int(valid.sum()))
-    top = torch.topk(mass.masked_fill(~valid, -1.0), count).indices.tolist()
+    candidates = valid.clone()
+    candidates[: len(SYS) + len(SEP)] = False  # the system part is exact: never recomputed
+    top = torch.topk(mass.masked_fill(~candidates, -1.0), count).indices.tolist()
     assert result.recomputed.tolist() == sorted(top + list(range(query_start, len(tokens))))
 
 
@@ -128,11 +130,14 @@ def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch
     _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
     tokens = _prompt(SYS, C3, C1, C2, Q2)
     query_start = len(tokens) - len(Q2)
-    favoured = [3, 17, 40, 41, 77, 90, 101, 110, 120, 130, 140, 141, 142, 143, 5, 6]
+    # the system part (tokens 0..13, stored at position 0) is exact: favouring it changes nothing
+    system = list(range(len(SYS) + len(SEP)))
+    favoured = [17, 40, 41, 77, 90, 101, 110, 120, 130, 140, 141, 142, 143, 20, 25, 30]
     count = int(0.1 * query_start)
 
     def fake_mass(q, k, positions, scale):
         mass = torch.zeros(k.shape[0])
+        mass[system] = 100.0
         mass[favoured] = torch.arange(len(favoured), 0, -1, dtype=torch.float32)
         return mass
 

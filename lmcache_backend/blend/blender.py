@@ -62,6 +62,10 @@ class BlendMetadata:
         schedule: check layer -> ratio.
         query_start: index of the first query token: the tokens after the last reusable one
             (the question and the assistant header), always computed.
+        exact_prefix: leading tokens whose cached K/V is exactly what a full prefill computes
+            (a segment stored at position 0, or the engine's own prefix-cache hit): never worth
+            recomputing, so the query-aware selections skip them (they attract much of the
+            attention mass as the attention sink).
         query_attention: ``[T]`` fp32 attention mass from the query tokens accumulated over the
             layers up to the last check layer, for the query-aware selections; else None.
         preloaded: per layer ``([T, Hkv, D], [T, Hkv, D])`` cached K/V already retrieved and
@@ -81,6 +85,7 @@ class BlendMetadata:
     schedule: dict[int, float]
     task: SPTBlendRetrieverTask | None
     query_start: int = 0
+    exact_prefix: int = 0
     query_attention: torch.Tensor | None = None
     preloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
@@ -227,6 +232,7 @@ class LMCBlender:
             schedule = {}
         reusable_at = torch.nonzero(valid, as_tuple=False).flatten()
         query_start = int(reusable_at[-1]) + 1 if reusable_at.numel() else 0
+        exact_prefix = self._exact_prefix(task, cached_prefix)
         return BlendMetadata(
             positions=torch.arange(num_tokens, device=device),
             active=active.to(device),
@@ -234,10 +240,26 @@ class LMCBlender:
             num_reusable=num_reusable,
             schedule=schedule,
             query_start=query_start,
+            exact_prefix=exact_prefix if num_reusable else 0,
             task=task if num_reusable else None,
             cached_prefix=cached_prefix if num_reusable else None,
             fallback_reason=reason,
         )
+
+    @staticmethod
+    def _exact_prefix(
+        task: SPTBlendRetrieverTask,
+        cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None,
+    ) -> int:
+        """Leading tokens whose cached K/V needs no recomputation: the engine's prefix-cache hit,
+        or a first segment stored at position 0 (nothing precedes it in either prompt)."""
+        exact = (
+            cached_prefix[0][0].shape[0] if cached_prefix is not None and cached_prefix[0] else 0
+        )
+        for start, kv in task.hits:
+            if start == 0 and kv.start_position == 0:
+                exact = max(exact, kv.num_tokens)
+        return exact
 
     # -- one layer ------------------------------------------------------------------------
 
@@ -341,6 +363,7 @@ class LMCBlender:
         scores = SCORERS[selection](inputs)
         if self.score_reducer is not None:
             scores = self.score_reducer(scores)
+        scores = scores.masked_fill(meta.active < meta.exact_prefix, float("-inf"))
         count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
         return select_topk_with_invalid(scores, valid, count)
 
@@ -458,6 +481,7 @@ class LMCBlender:
             pass
         if self.score_reducer is not None:
             mass = self.score_reducer(mass)
+        mass[: meta.exact_prefix] = float("-inf")
         ratio = list(meta.schedule.values())[-1]
         count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
         chosen = torch.zeros_like(valid)
