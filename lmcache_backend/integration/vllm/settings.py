@@ -94,19 +94,13 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
 
 
 def _flag(key: str, value: Any) -> bool:
+    """A boolean connector key: a bool or one of true/false, yes/no, on/off, 1/0."""
+    words = {"1": True, "true": True, "yes": True, "on": True}
+    words.update({"0": False, "false": False, "no": False, "off": False})
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in (
-        "1",
-        "true",
-        "yes",
-        "on",
-        "0",
-        "false",
-        "no",
-        "off",
-    ):
-        return value.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(value, str) and value.strip().lower() in words:
+        return words[value.strip().lower()]
     raise ConfigError(f"{key}={value!r}: expected true or false")
 
 
