@@ -83,7 +83,12 @@ class SchedulerSide:
         rid = request.request_id
         self._claims.pop(rid, None)
         tokens = list(request.prompt_token_ids or [])
-        config = request_config(self.settings.config, getattr(request, "kv_transfer_params", None))
+        config = request_config(
+            self.settings.config,
+            getattr(request, "kv_transfer_params", None),
+            self.settings.num_layers,
+            rid,
+        )
         end = len(tokens) - 1
         if config is None or end <= num_computed_tokens:
             return 0
