@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Claim:
+    token_ids: list[int]
     prefix_len: int
     end: int
     reusable: int
@@ -117,6 +118,7 @@ class SchedulerSide:
             return 0
         claim = end - num_computed_tokens
         self._claims[rid] = _Claim(
+            token_ids=tokens,
             prefix_len=num_computed_tokens,
             end=end,
             reusable=reusable,
@@ -156,11 +158,20 @@ class SchedulerSide:
             self._plan(meta, new.req_id, tracked, new.num_computed_tokens, scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
+            resumed = self.profile.resumed(cached, i)
             tracked = self._tracked.get(rid)
             if tracked is None:
-                continue
+                claim = self._claims.get(rid)
+                if claim is None or not resumed:
+                    continue
+                # Preempted after its prompt was complete (tracking had ended), resumed, and
+                # claimed again: vLLM now counts the claimed tokens as computed, so they must be
+                # loaded into the new blocks, or decoding would read whatever those blocks held.
+                tracked = _Tracked(claim.token_ids)
+                self._tracked[rid] = tracked
+                logger.info("request %s resumed after preemption: blending its prompt again", rid)
             new_blocks = cached.new_block_ids[i]
-            if self.profile.resumed(cached, i):
+            if resumed:
                 tracked.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 tracked.block_ids.extend(new_blocks[0])
