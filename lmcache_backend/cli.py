@@ -9,9 +9,9 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from lmcache_backend import demo
+    from lmcache_backend import demos
 
-    return demo.main(args)
+    return demos.main(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -57,10 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from lmcache_backend import demo
+    from lmcache_backend import demos
 
-    p = sub.add_parser("demo", help="CacheBlend vs full prefill on the embedded model")
-    demo.add_arguments(p)
+    p = sub.add_parser(
+        "demo", help="RAG chats through vLLM's server: CacheBlend vs full prefill (TTFT, answers)"
+    )
+    demos.add_arguments(p)
     p.set_defaults(func=_demo)
 
     from lmcache_backend import bench

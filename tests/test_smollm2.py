@@ -134,7 +134,7 @@ def test_cached_question_is_still_recomputed(engine, prompts) -> None:
 
 
 def test_demo_prints_table_and_json(tmp_path) -> None:
-    from lmcache_backend.demo import run_demo
+    from lmcache_backend.demos.hf import run_demo
 
     out = io.StringIO()
     result = run_demo(repeats=1, max_new_tokens=4, out=out)
