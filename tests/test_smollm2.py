@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from lmcache_backend.blend.segmenting import build_blend_prompt
 from lmcache_backend.config import load_config
 from lmcache_backend.examples import builtin_examples, reordered
-from lmcache_backend.segmenting import build_blend_prompt
 from lmcache_backend.store import SegmentKV
 
 pytestmark = pytest.mark.slow

@@ -118,8 +118,9 @@ class LMCBlender:
         gpu_connector: optional :class:`KVLayerWriter` receiving each layer's blended K/V.
         config: validated settings (check layers, ratios, ``blend_min_tokens``, backend).
         model: the model adapter.
-        separator: the separator's token ids (``blend_special_str`` encoded without special
-            tokens, see :func:`lmcache_backend.segmenting.separator_token_ids`).
+        separator: the segment pattern (see
+            :func:`lmcache_backend.blend.segmenting.separator_pattern`), or separator token ids
+            matched as they are.
         ops: op set; defaults to ``get_ops(config.backend)``.
     """
 

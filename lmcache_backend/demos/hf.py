@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcache_backend.blend.segmenting import build_blend_prompt
 from lmcache_backend.config import load_config
 from lmcache_backend.examples import builtin_examples, reordered
-from lmcache_backend.segmenting import build_blend_prompt
 
 
 @dataclass

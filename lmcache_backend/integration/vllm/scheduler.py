@@ -18,9 +18,8 @@ from typing import Any
 
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
-from lmcache_backend.segmenting import cacheable_segments
 from lmcache_backend.storage import create_lookup
-from lmcache_backend.store import ModelFingerprint, segment_key
+from lmcache_backend.store import ModelFingerprint, segment_keys
 
 logger = logging.getLogger(__name__)
 
@@ -94,18 +93,19 @@ class SchedulerSide:
         if config is None or end <= num_computed_tokens:
             return 0
         self.stats.requests += 1
-        # The query tail (after the last separator) is always computed: never counted as cached.
-        segments = [
-            s
-            for s in cacheable_segments(tokens, self.settings.separator)
-            if s.end > num_computed_tokens
-        ]
-        keys = [segment_key(self.fingerprint, tokens[s.start : s.end]) for s in segments]
-        hits = self._cached(keys) if keys else []
+        # The query tail is always computed: never counted as cached.
+        looked_up: list = []
+
+        def held(segments: list) -> list[bool]:
+            looked_up.extend(segments)
+            spans = [(s.start, s.end) for s in segments]
+            return self._cached(segment_keys(self.fingerprint, tokens, spans))
+
+        hits = self.settings.separator.match(tokens, held)
         reused = sum(
             min(s.end, end) - max(s.start, num_computed_tokens)
-            for s, hit in zip(segments, hits)
-            if hit and min(s.end, end) > max(s.start, num_computed_tokens)
+            for s in hits
+            if min(s.end, end) > max(s.start, num_computed_tokens)
         )
         reusable = num_computed_tokens + reused
         if reused == 0 or reusable < config.blend_min_tokens:
@@ -113,7 +113,7 @@ class SchedulerSide:
                 "request %s: %d reusable tokens (%d cached segments): prefilled by vLLM",
                 rid,
                 reusable,
-                sum(hits),
+                len(hits),
             )
             return 0
         claim = end - num_computed_tokens
@@ -136,8 +136,8 @@ class SchedulerSide:
             rid,
             len(tokens),
             reusable,
-            sum(hits),
-            len(segments),
+            len(hits),
+            len(looked_up),
             num_computed_tokens,
         )
         return claim

@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from lmcache_backend.blend.segmenting import SeparatorPattern, separator_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
-from lmcache_backend.segmenting import separator_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ class ConnectorSettings:
         config: the validated blend configuration.
         instance_id: names this engine's cross-process segment index (scheduler and workers).
         tp_size: tensor-parallel ranks; each keeps its own store shard and index.
-        separator: ``blend_special_str`` as token ids.
+        separator: how prompts split into segments: ``blend_special_str`` as the ids it
+            produces inside text, derived from the model's tokenizer at start-up.
         stats_file: optional JSON-lines file receiving one record per blended request.
         allow_untested_versions: run on a vLLM release outside the matrix.
         num_layers: the model's decoder layers (a request's check layers must exist).
@@ -43,7 +44,7 @@ class ConnectorSettings:
     config: BlendConfig
     instance_id: str
     tp_size: int
-    separator: tuple[int, ...]
+    separator: SeparatorPattern
     stats_file: str | None
     allow_untested_versions: bool
     num_layers: int | None = None
@@ -83,7 +84,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         str(mc.tokenizer), getattr(mc, "tokenizer_revision", None), bool(mc.trust_remote_code)
     )
     try:
-        separator = tuple(separator_token_ids(tokenizer, config.blend_special_str))
+        separator = separator_pattern(tokenizer, config.blend_special_str)
     except ValueError as exc:
         raise ConfigError(f"blend_special_str={config.blend_special_str!r}: {exc}") from exc
     instance_id = str(own.get("instance_id") or f"vllm-{kv.engine_id}")
