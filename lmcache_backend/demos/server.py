@@ -2,7 +2,8 @@
 
 It starts ``lmcache-backend serve`` (vLLM's OpenAI-compatible server with the connector) on the
 embedded model, on a free loopback port, and talks to it with the ``openai`` client, as an
-application would. For each RAG chat:
+application would: chat requests, the documents in the user message, each preceded by the
+separator ``" # # "``. For each RAG chat:
 
 1. warm-up: the documents in their original order, with a different question, fill the store
    (vLLM prefills; the connector stores each document's K/V);
@@ -31,6 +32,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+#: The separator between documents (``blend_special_str``'s default).
+SEPARATOR = " # # "
 
 #: The warm-up question: the documents are stored under a question the chats never ask.
 WARM_QUESTION = "Which names appear in the documents?"
@@ -178,25 +182,35 @@ class Reply:
 
 
 class RagClient:
-    """Sends RAG requests the way the connector can blend them.
+    """Sends RAG requests as text, the way an application does.
 
-    ``fmt="tokens"``: completions requests whose prompt is the token ids of
-    :func:`~lmcache_backend.segmenting.build_blend_prompt` (the chat template applied, each
-    document tokenized on its own, separated by ``blend_special_str``).
+    ``fmt="chat"``: chat requests, a system message and one user message holding the documents
+    and the question, each preceded by ``blend_special_str``
+    (:func:`~lmcache_backend.blend.segmenting.chat_messages`). ``fmt="completions"``: completions
+    requests whose prompt is the text ``system + SEP + doc_1 + ... + SEP + question``.
     """
 
-    def __init__(self, client: Any, model: str, tokenizer: Any, fmt: str = "tokens") -> None:
-        if fmt not in ("tokens",):
-            raise ValueError(f"unknown request format {fmt!r}")
+    FORMATS = ("chat", "completions")
+
+    def __init__(self, client: Any, model: str, tokenizer: Any, fmt: str = "chat") -> None:
+        if fmt not in self.FORMATS:
+            raise ValueError(f"unknown request format {fmt!r}: one of {self.FORMATS}")
         self.client = client
         self.model = model
         self.tokenizer = tokenizer
         self.fmt = fmt
 
-    def prompt(self, system: str, docs: list[str], question: str) -> list[int]:
-        from lmcache_backend.segmenting import build_blend_prompt
+    def with_client(self, client: Any) -> RagClient:
+        return RagClient(client, self.model, self.tokenizer, self.fmt)
 
-        return build_blend_prompt(self.tokenizer, system, docs, question).token_ids
+    def prompt(self, system: str, docs: list[str], question: str) -> list[int]:
+        """The prompt's token ids as the server tokenizes them."""
+        from lmcache_backend.blend.segmenting import build_blend_prompt
+
+        chat = self.fmt == "chat"
+        return build_blend_prompt(
+            self.tokenizer, system, docs, question, use_chat_template=chat
+        ).token_ids
 
     def ask(
         self,
@@ -207,29 +221,40 @@ class RagClient:
         params: dict | None = None,
         stream: bool = True,
     ) -> Reply:
-        extra = {"kv_transfer_params": params} if params is not None else None
-        start = time.perf_counter()
-        kwargs = dict(
+        from lmcache_backend.blend.segmenting import chat_messages
+
+        kwargs: dict[str, Any] = dict(
             model=self.model,
-            prompt=self.prompt(system, docs, question),
             max_tokens=max_tokens,
             temperature=0,
-            extra_body=extra,
+            extra_body={"kv_transfer_params": params} if params is not None else None,
         )
+        if self.fmt == "chat":
+            create = self.client.chat.completions.create
+            kwargs["messages"] = chat_messages(system, docs, question)
+        else:
+            create = self.client.completions.create
+            kwargs["prompt"] = SEPARATOR.join([system, *docs, question])
+        start = time.perf_counter()
         if not stream:
-            out = self.client.completions.create(**kwargs)
+            out = create(**kwargs)
             elapsed = time.perf_counter() - start
-            return Reply(out.choices[0].text, elapsed, elapsed)
+            return Reply(self._text(out.choices[0], False), elapsed, elapsed)
         first = None
         parts: list[str] = []
-        for chunk in self.client.completions.create(stream=True, **kwargs):
-            text = chunk.choices[0].text if chunk.choices else ""
+        for chunk in create(stream=True, **kwargs):
+            text = self._text(chunk.choices[0], True) if chunk.choices else ""
             if text:
                 if first is None:
                     first = time.perf_counter() - start
                 parts.append(text)
         total = time.perf_counter() - start
         return Reply("".join(parts), total if first is None else first, total)
+
+    def _text(self, choice: Any, delta: bool) -> str:
+        if self.fmt == "completions":
+            return choice.text or ""
+        return (choice.delta.content if delta else choice.message.content) or ""
 
 
 @dataclass
