@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_backend.blend.segmenting import Segment, SeparatorPattern, as_pattern
+from lmcache_backend.blend.segmenting import Segment, SegmentPattern, as_pattern
 from lmcache_backend.store import (
     ModelFingerprint,
     SegmentKV,
@@ -44,7 +44,7 @@ class SegmentCache:
         self,
         store: SegmentStore,
         fingerprint: ModelFingerprint,
-        separator: SeparatorPattern | Sequence[int],
+        separator: SegmentPattern | Sequence[int],
     ) -> None:
         self.store = store
         self.fingerprint = fingerprint

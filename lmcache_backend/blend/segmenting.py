@@ -264,7 +264,112 @@ def build_blend_prompt(
     return BlendPrompt(token_ids=token_ids, segments=segments, text=text)
 
 
-def as_pattern(separator: Any) -> SeparatorPattern:
+@dataclass(frozen=True)
+class BlockPattern:
+    """Separator-free segmenting: fixed-size token blocks, found wherever they recur.
+
+    A computed prompt stores its tokens as blocks of ``block_size`` tokens aligned to the start
+    of the prompt (``[0, B)``, ``[B, 2B)``, ...), each with the position it was computed at. A new
+    prompt is searched for those blocks at *every* token offset (one key per window of ``B``
+    tokens, one batched lookup); a found block's K/V are reused (re-rotated to the new positions
+    by the blender), every token not covered by a found block is computed like an uncached
+    token. A chunk that moved by any number of tokens is found, except its edges: up to
+    ``B - 1`` tokens at each end fall in blocks that also hold neighbouring text.
+
+    The query tail (never served, never stored) starts at the last chat message: the last
+    occurrence of ``turn_start``, the ids the chat template writes between two messages before
+    a user message (e.g. ``<|im_end|>\\n<|im_start|>user``). Without them (no chat template, or
+    a plain prompt) it is the last ``block_size`` tokens.
+
+    Attributes:
+        block_size: ``B``, tokens per block (``blend_block_size``).
+        turn_start: ids opening a user message after another message; may be empty.
+    """
+
+    block_size: int
+    turn_start: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def query_start(self, tokens: Sequence[int]) -> int:
+        """Where the query tail starts (see the class docstring)."""
+        toks, m = list(tokens), len(self.turn_start)
+        if m:
+            want = list(self.turn_start)
+            for i in range(len(toks) - m, -1, -1):
+                if toks[i : i + m] == want:
+                    return i
+        return max(0, len(toks) - self.block_size)
+
+    def split(self, tokens: Sequence[int]) -> list[Segment]:
+        """The aligned blocks before the query tail, then the rest of the prompt as one segment
+        (every token belongs to exactly one segment)."""
+        units = self.store_units(tokens)
+        end = units[-1].end if units else 0
+        return units + ([Segment(end, len(tokens))] if end < len(tokens) else [])
+
+    def store_units(self, tokens: Sequence[int]) -> list[Segment]:
+        """The blocks a computed prompt stores: aligned to its start, ending before the tail."""
+        b, q = self.block_size, self.query_start(tokens)
+        return [Segment(i, i + b) for i in range(0, q - b + 1, b)]
+
+    def match(self, tokens: Sequence[int], held: Held) -> list[Segment]:
+        """Stored blocks found in ``tokens`` at any offset before the query tail, left to right,
+        not overlapping (a hit at ``i`` resumes the search at ``i + B``)."""
+        b, q = self.block_size, self.query_start(tokens)
+        windows = [Segment(i, i + b) for i in range(0, q - b + 1)]
+        if not windows:
+            return []
+        hits = held(windows)
+        found, i = [], 0
+        while i < len(windows):
+            if hits[i]:
+                found.append(windows[i])
+                i += b
+            else:
+                i += 1
+        return found
+
+
+#: How a prompt splits into cached units: around a separator, or in blocks found at any offset.
+SegmentPattern = SeparatorPattern | BlockPattern
+
+_TURN_A, _TURN_B = "\x00LMCACHE_A\x00", "\x00LMCACHE_B\x00"
+
+
+def turn_start_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Ids the tokenizer's chat template writes between a message and the next user message's
+    content, less the last one (it may merge with the content's first characters); ``()`` when
+    there is no chat template or it cannot render a three-message conversation."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ()
+    messages = [
+        {"role": "user", "content": _TURN_A},
+        {"role": "assistant", "content": _TURN_B},
+        {"role": "user", "content": _PLACEHOLDER},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # templates may reject roles or need arguments: no chat structure then
+        return ()
+    if _TURN_B not in text or _PLACEHOLDER not in text:
+        return ()
+    between = text.split(_TURN_B, 1)[1].split(_PLACEHOLDER, 1)[0]
+    ids = _encode(tokenizer, between)
+    return tuple(ids[:-1]) if len(ids) > 1 else tuple(ids)
+
+
+def segment_pattern(tokenizer: Any, blend_special_str: str, block_size: int = 16) -> SegmentPattern:
+    """The pattern a configuration asks for: :func:`separator_pattern` of ``blend_special_str``,
+    or, when it is empty, a :class:`BlockPattern` of ``block_size`` tokens (separator-free)."""
+    if blend_special_str == "":
+        return BlockPattern(block_size=block_size, turn_start=turn_start_ids(tokenizer))
+    return separator_pattern(tokenizer, blend_special_str)
+
+
+def as_pattern(separator: Any) -> SegmentPattern:
     """``separator`` as a pattern: a pattern is returned as is, token ids become a
     :class:`SeparatorPattern` matching exactly those ids."""
     if hasattr(separator, "match") and hasattr(separator, "store_units"):

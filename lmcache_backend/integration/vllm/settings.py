@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_backend.blend.segmenting import SeparatorPattern, separator_pattern
+from lmcache_backend.blend.segmenting import SegmentPattern, segment_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,9 @@ class ConnectorSettings:
         config: the validated blend configuration.
         instance_id: names this engine's cross-process segment index (scheduler and workers).
         tp_size: tensor-parallel ranks; each keeps its own store shard and index.
-        separator: how prompts split into segments: ``blend_special_str`` as the ids it
-            produces inside text, derived from the model's tokenizer at start-up.
+        separator: how prompts split into cached units, derived from the model's tokenizer
+            at start-up: ``blend_special_str`` as the ids it produces inside text, or, when it
+            is empty, blocks of ``blend_block_size`` tokens found at any offset.
         stats_file: optional JSON-lines file receiving one record per blended request.
         allow_untested_versions: run on a vLLM release outside the matrix.
         num_layers: the model's decoder layers (a request's check layers must exist).
@@ -44,7 +45,7 @@ class ConnectorSettings:
     config: BlendConfig
     instance_id: str
     tp_size: int
-    separator: SeparatorPattern
+    separator: SegmentPattern
     stats_file: str | None
     allow_untested_versions: bool
     num_layers: int | None = None
@@ -84,7 +85,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         str(mc.tokenizer), getattr(mc, "tokenizer_revision", None), bool(mc.trust_remote_code)
     )
     try:
-        separator = separator_pattern(tokenizer, config.blend_special_str)
+        separator = segment_pattern(tokenizer, config.blend_special_str, config.blend_block_size)
     except ValueError as exc:
         raise ConfigError(f"blend_special_str={config.blend_special_str!r}: {exc}") from exc
     instance_id = str(own.get("instance_id") or f"vllm-{kv.engine_id}")
