@@ -1,4 +1,5 @@
-# make demo   create .venv if needed, install, run CacheBlend vs full prefill on the embedded model
+# make demo   create .venv if needed, install, start vLLM's OpenAI server with the connector on the
+#             embedded model and send RAG chats: CacheBlend vs full prefill (TTFT, answers)
 # make test   create .venv if needed, install, lint and run the test suite (CPU)
 # make bench  create .venv if needed, install, run the benchmarks
 
@@ -29,7 +30,7 @@ $(STAMP): setup.py pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/lmcache-backend demo
+	$(PY) -m lmcache_backend demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

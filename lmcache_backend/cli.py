@@ -9,9 +9,15 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from lmcache_backend import demo
+    from lmcache_backend import demos
 
-    return demo.main(args)
+    return demos.main(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from lmcache_backend.integration.vllm import serve
+
+    return serve.main(args, args.vllm_args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -57,10 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from lmcache_backend import demo
+    from lmcache_backend import demos
 
-    p = sub.add_parser("demo", help="CacheBlend vs full prefill on the embedded model")
-    demo.add_arguments(p)
+    p = sub.add_parser(
+        "demo", help="RAG chats through vLLM's server: CacheBlend vs full prefill (TTFT, answers)"
+    )
+    demos.add_arguments(p)
     p.set_defaults(func=_demo)
 
     from lmcache_backend import bench
@@ -68,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="KV-reuse strategies side by side on RAG prompts")
     bench.add_arguments(p)
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser(
+        "serve",
+        help="vllm serve with CacheBlendConnector (vllm serve options pass on)",
+        add_help=False,
+    )
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("model-path", help="print a folder holding the embedded model")
     p.set_defaults(func=_model_path)
@@ -92,6 +108,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serve_args(rest: list[str]) -> argparse.Namespace:
+    model = rest[0] if rest and not rest[0].startswith("-") else None
+    rest = rest[1:] if model is not None else list(rest)
+    stats_file = None
+    vllm_args: list[str] = []
+    i = 0
+    while i < len(rest):
+        if rest[i] == "--stats-file" and i + 1 < len(rest):
+            stats_file = rest[i + 1]
+            i += 2
+            continue
+        if rest[i].startswith("--stats-file="):
+            stats_file = rest[i].split("=", 1)[1]
+        else:
+            vllm_args.append(rest[i])
+        i += 1
+    return argparse.Namespace(
+        command="serve",
+        verbose=False,
+        model=model,
+        stats_file=stats_file,
+        vllm_args=vllm_args,
+        func=_serve,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # argparse's REMAINDER does not capture leading options (apply-patch --path FILE): hand the
@@ -100,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         from lmcache_backend.patches import apply_patch
 
         return apply_patch.main(argv[argv.index("apply-patch") + 1 :])
-    args = build_parser().parse_args(argv)
+    if "serve" in argv and set(argv[: argv.index("serve")]) <= {"-v", "--verbose"}:
+        # vllm serve's options pass through untouched; only MODEL and --stats-file are ours
+        args = _serve_args(argv[argv.index("serve") + 1 :])
+    else:
+        args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -119,7 +119,18 @@ class ConfigKey:
 
 CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("enable_blending", _parse_bool, False, "master switch for CacheBlend"),
-    ConfigKey("blend_special_str", str, " # # ", "separator string between segments"),
+    ConfigKey(
+        "blend_special_str",
+        str,
+        " # # ",
+        'separator string between segments; "" finds chunks without one (blend_block_size)',
+    ),
+    ConfigKey(
+        "blend_block_size",
+        _parse_int,
+        16,
+        "tokens per block when blend_special_str is empty (separator-free reuse)",
+    ),
     ConfigKey(
         "blend_recompute_ratios",
         _parse_float_list,
@@ -180,6 +191,7 @@ class BlendConfig:
 
     enable_blending: bool = False
     blend_special_str: str = " # # "
+    blend_block_size: int = 16
     blend_recompute_ratios: list[float] = field(default_factory=lambda: [0.15])
     blend_check_layers: list[int] = field(default_factory=lambda: [1])
     blend_selection: str = "kv_deviation"
@@ -235,8 +247,8 @@ class BlendConfig:
             )
         if self.blend_min_tokens < 0:
             raise self._fail("blend_min_tokens", self.blend_min_tokens, "must be >= 0")
-        if self.blend_special_str == "":
-            raise self._fail("blend_special_str", self.blend_special_str, "must not be empty")
+        if self.blend_block_size < 1:
+            raise self._fail("blend_block_size", self.blend_block_size, "must be >= 1 (tokens)")
         if self.backend not in BACKEND_CHOICES:
             raise self._fail("backend", self.backend, f"choose one of {', '.join(BACKEND_CHOICES)}")
         if self.max_local_cpu_size <= 0:

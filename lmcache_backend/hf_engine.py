@@ -16,10 +16,10 @@ import torch
 
 from lmcache_backend.blend.blender import BlendResult, LMCBlender
 from lmcache_backend.blend.segment_cache import SegmentCache
+from lmcache_backend.blend.segmenting import segment_pattern
 from lmcache_backend.config import BlendConfig, load_config
 from lmcache_backend.models.hf import HFModelAdapter
 from lmcache_backend.ops import Ops, get_ops
-from lmcache_backend.segmenting import separator_token_ids
 from lmcache_backend.storage import create_store
 from lmcache_backend.store import SegmentStore
 
@@ -118,7 +118,9 @@ class HFBlendEngine:
                 instance_id="hf",
             )
         self.store = store
-        self.separator = separator_token_ids(tokenizer, self.config.blend_special_str)
+        self.separator = segment_pattern(
+            tokenizer, self.config.blend_special_str, self.config.blend_block_size
+        )
         self.segment_cache = SegmentCache(self.store, self.adapter.fingerprint, self.separator)
         self._blenders: dict[tuple[float, ...], LMCBlender] = {}
         self.stop_ids = {

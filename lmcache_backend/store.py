@@ -49,6 +49,21 @@ def segment_key(fingerprint: ModelFingerprint, tokens: Sequence[int] | torch.Ten
     return h.hexdigest()
 
 
+def segment_keys(
+    fingerprint: ModelFingerprint, tokens: Sequence[int], spans: Sequence[tuple[int, int]]
+) -> list[str]:
+    """:func:`segment_key` of ``tokens[start:end]`` for each ``(start, end)`` span (the
+    fingerprint is hashed once: the separator-free lookup keys a window at every offset)."""
+    ids = list(tokens)
+    base = hashlib.sha256(fingerprint.digest())
+    keys = []
+    for start, end in spans:
+        h = base.copy()
+        h.update(struct.pack(f"<{end - start}q", *ids[start:end]))
+        keys.append(h.hexdigest())
+    return keys
+
+
 @dataclass
 class SegmentKV:
     """Cached K/V of one segment.

@@ -29,8 +29,8 @@ from lmcache_backend.bench.metrics import (
 from lmcache_backend.bench.report import format_table, summarize
 from lmcache_backend.bench.runner import CaseResult, StrategyOutcome, SweepPoint
 from lmcache_backend.bench.strategies import build_strategies, parse_schedule
+from lmcache_backend.blend.segmenting import Segment
 from lmcache_backend.examples import DatasetError, RagExample
-from lmcache_backend.segmenting import Segment
 
 GOOD = {"id": "a", "system": "s", "chunks": ["c1", "c2"], "question": "q?", "answers": ["x"]}
 

@@ -95,7 +95,7 @@ def test_config_file_argument_beats_env_file(tmp_path) -> None:
             "one per check layer",
         ),
         ({"blend_min_tokens": "-1"}, "blend_min_tokens", "-1"),
-        ({"blend_special_str": ""}, "blend_special_str", "''"),
+        ({"blend_block_size": "0"}, "blend_block_size", "0"),
         ({"blend_check_layers": "2,1"}, "blend_check_layers", "increasing"),
         ({"blend_check_layers": "-1"}, "blend_check_layers", "-1"),
         ({"backend": "tpu"}, "backend", "tpu"),

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_backend.segmenting import (
+from lmcache_backend.blend.segmenting import (
     Segment,
     build_blend_prompt,
+    separator_pattern,
     separator_token_ids,
     split_segments,
 )
@@ -86,16 +87,15 @@ def test_build_blend_prompt(tokenizers, which: int, chat: bool) -> None:
     prompt = build_blend_prompt(
         tok, "Use the context.", chunks, "Who owns a cat?", use_chat_template=chat
     )
-    sep = separator_token_ids(tok, " # # ")
+    sep = separator_pattern(tok, " # # ")
     # the helper's segments are exactly what splitting on the separator finds
-    assert split_segments(prompt.token_ids, sep) == prompt.segments
+    assert sep.split(prompt.token_ids) == prompt.segments
     assert len(prompt.segments) == len(chunks) + 2
-    # each chunk segment is the chunk encoded alone, plus the separator: same ids in any prompt
+    # each chunk segment is the chunk as it tokenizes after the separator, plus the separator
     for seg, chunk in zip(prompt.segments[1:-1], chunks):
-        assert (
-            prompt.token_ids[seg.start : seg.end]
-            == tok.encode(chunk, add_special_tokens=False) + sep
-        )
+        assert prompt.token_ids[seg.start : seg.end] == tok.encode(
+            " " + chunk, add_special_tokens=False
+        ) + list(sep.ids)
     bos = tok.bos_token_id
     if which == 1:
         assert prompt.token_ids[0] == bos
@@ -118,3 +118,93 @@ def test_reordered_chunks_keep_their_ids(tokenizers) -> None:
 
 def test_segment_len() -> None:
     assert len(Segment(3, 10)) == 7
+
+
+# -- the separator inside text: BPE (SmolLM2) and SentencePiece (Llama-2 style) ----------------
+
+
+@pytest.fixture(scope="module")
+def sp_tokenizer(tmp_path_factory):
+    pytest.importorskip("sentencepiece")
+    from local_tokenizers import sentencepiece_tokenizer
+
+    return sentencepiece_tokenizer(tmp_path_factory.mktemp("sp"))
+
+
+@pytest.fixture(scope="module", params=["bpe", "sentencepiece"])
+def any_tokenizer(request, tokenizers, sp_tokenizer):
+    return tokenizers[0] if request.param == "bpe" else sp_tokenizer
+
+
+def _names(tok, ids):
+    return tok.convert_ids_to_tokens(list(ids))
+
+
+def test_separator_pattern_is_what_text_produces(tokenizers, sp_tokenizer) -> None:
+    bpe = tokenizers[0]
+    # alone, the separator ends with a lone space token that never occurs inside text
+    assert _names(bpe, separator_token_ids(bpe, " # # ")) == ["Ġ#", "Ġ#", "Ġ"]
+    assert _names(bpe, separator_pattern(bpe, " # # ").ids) == ["Ġ#", "Ġ#"]
+    assert _names(sp_tokenizer, separator_pattern(sp_tokenizer, " # # ").ids) == ["▁#", "▁#"]
+    # the same pattern whether the tokenizer adds a BOS or not
+    assert separator_pattern(tokenizers[1], " # # ") == separator_pattern(bpe, " # # ")
+
+
+@pytest.mark.parametrize("sep", [" # # ", "\n\n###\n\n", " [SEP] "])
+def test_separator_found_in_text(any_tokenizer, sep) -> None:
+    tok = any_tokenizer
+    pattern = separator_pattern(tok, sep)
+    text = f"System text.{sep}El gato duerme.{sep}The dog runs.{sep}1 more?"
+    tokens = tok.encode(text)
+    segments = pattern.split(tokens)
+    assert len(segments) == 4, _names(tok, tokens)
+    assert pattern.query_start(tokens) == segments[-1].start
+    assert [s.end for s in pattern.cacheable_segments(tokens)] == [s.end for s in segments[:-1]]
+
+
+@pytest.mark.parametrize("sep", ["", " "])
+def test_separator_without_visible_characters_rejected(tokenizers, sep) -> None:
+    with pytest.raises(ValueError):
+        separator_pattern(tokenizers[0], sep)
+
+
+def _chat_text_ids(tok, system, chunks, question):
+    """What a chat client's text becomes in vLLM: the template rendered, encoded as a whole
+    without special tokens."""
+    content = " # # " + " # # ".join(chunks) + " # # " + question
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": content}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_text_prompt_and_built_prompt_share_segment_keys(any_tokenizer, chat) -> None:
+    from lmcache_backend.store import ModelFingerprint, segment_key
+
+    fp = ModelFingerprint("TestLM", 2, 4, 2, 8, "theta=10000.0,neox=True", "float32", "w0")
+    tok = any_tokenizer
+    pattern = separator_pattern(tok, " # # ")
+    chunks = ["Alice lives in Paris.", "El gato duerme.", "1 cat is named Tom.", "(Bob) plays."]
+
+    def keys(tokens):
+        return {
+            segment_key(fp, tokens[s.start : s.end]) for s in pattern.cacheable_segments(tokens)
+        }
+
+    built = build_blend_prompt(tok, "Use the context.", chunks, "Who?", use_chat_template=chat)
+    if chat:
+        text_ids = _chat_text_ids(tok, "Use the context.", chunks[::-1], "Where?")
+    else:
+        text_ids = tok.encode("Use the context. # # " + " # # ".join(chunks[::-1]) + " # # Where?")
+    # every segment of the built prompt (system part and chunks) is found in the reordered text
+    assert keys(built.token_ids) == keys(text_ids)
+    assert len(keys(text_ids)) == len(chunks) + 1
+
+
+def test_reordered_chunks_keep_their_ids_sentencepiece(sp_tokenizer) -> None:
+    chunks = ["First chunk text.", "Second chunk text.", "Third chunk text."]
+    a = build_blend_prompt(sp_tokenizer, "sys", chunks, "q?")
+    b = build_blend_prompt(sp_tokenizer, "sys", chunks[::-1], "q?")
+    pieces_a = _pieces(a.token_ids, a.segments)
+    pieces_b = _pieces(b.token_ids, b.segments)
+    assert pieces_a[1:-1] == pieces_b[1:-1][::-1]

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from lmcache_backend.blend.segmenting import build_blend_prompt
 from lmcache_backend.config import load_config
 from lmcache_backend.examples import builtin_examples, reordered
-from lmcache_backend.segmenting import build_blend_prompt
 from lmcache_backend.store import SegmentKV
 
 pytestmark = pytest.mark.slow
@@ -134,7 +134,7 @@ def test_cached_question_is_still_recomputed(engine, prompts) -> None:
 
 
 def test_demo_prints_table_and_json(tmp_path) -> None:
-    from lmcache_backend.demo import run_demo
+    from lmcache_backend.demos.hf import run_demo
 
     out = io.StringIO()
     result = run_demo(repeats=1, max_new_tokens=4, out=out)
@@ -145,3 +145,32 @@ def test_demo_prints_table_and_json(tmp_path) -> None:
     for row in result["strategies"]:
         assert row["ttft_ms"] > 0 and row["speedup"] > 0
     json.dumps(result)  # what --json writes is serialisable
+
+
+def test_separator_free_chat_messages(engine) -> None:
+    """No separator: each document its own chat message; the documents reordered are found at
+    their new offsets, the question message is computed."""
+    from lmcache_backend.hf_engine import HFBlendEngine
+
+    config = load_config(env={}, enable_blending=True, blend_special_str="", blend_min_tokens=32)
+    free = HFBlendEngine(engine.model, engine.tokenizer, config)
+    tok = free.tokenizer
+    example = builtin_examples(count=1)[0]
+
+    def ids(chunks, question):
+        messages = [{"role": "system", "content": example.system}]
+        messages += [{"role": "user", "content": c} for c in chunks]
+        messages += [{"role": "user", "content": question}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+    first = ids(example.chunks, example.question)
+    assert free.warm(first) > 0
+    second = ids(reordered(example.chunks), example.question)
+    blended = free.blend_prefill(second, [1.0])
+    result = blended.blend
+    assert result.blended and result.num_reusable > 0.5 * len(second)
+    tail = free.segment_cache.query_start(second)
+    assert not result.valid_mask[tail:].any() and result.valid_mask[:tail].any()
+    full = free.full_prefill(second)
+    torch.testing.assert_close(blended.logits, full.logits, rtol=0, atol=1e-3)

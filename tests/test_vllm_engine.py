@@ -44,8 +44,8 @@ def _model_path() -> str:
 def _prompts(path: str) -> dict[str, list[int]]:
     from transformers import AutoTokenizer
 
+    from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.examples import builtin_examples
-    from lmcache_backend.segmenting import build_blend_prompt
 
     tok = AutoTokenizer.from_pretrained(path)
     ex = builtin_examples(1, chunks_per_example=4)[0]

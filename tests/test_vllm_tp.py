@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     from vllm.config import KVTransferConfig
     from lmcache_backend.embedded import embedded_model_path
     from lmcache_backend.examples import builtin_examples
-    from lmcache_backend.segmenting import build_blend_prompt
+    from lmcache_backend.blend.segmenting import build_blend_prompt
 
     def params(**kw):
         extra = {"kv_transfer_params": kw} if kw else None

@@ -77,7 +77,7 @@ def hf_answer(max_new_tokens: int = 16) -> Answer:
     import torch
 
     from lmcache_backend.embedded import load_embedded_model
-    from lmcache_backend.segmenting import build_blend_prompt
+    from lmcache_backend.blend.segmenting import build_blend_prompt
 
     model, tokenizer = load_embedded_model()
     stop = {tokenizer.eos_token_id}

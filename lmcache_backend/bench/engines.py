@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from lmcache_backend.bench.strategies import BLEND, EPIC, FULL, PREFIX, Strategy
-from lmcache_backend.segmenting import build_blend_prompt
+from lmcache_backend.blend.segmenting import build_blend_prompt
 
 ENGINE_CHOICES = ("hf", "vllm")
 

@@ -140,8 +140,9 @@ class LMCBlender:
         gpu_connector: optional :class:`KVLayerWriter` receiving each layer's blended K/V.
         config: validated settings (check layers, ratios, ``blend_min_tokens``, backend).
         model: the model adapter.
-        separator: the separator's token ids (``blend_special_str`` encoded without special
-            tokens, see :func:`lmcache_backend.segmenting.separator_token_ids`).
+        separator: the segment pattern (see
+            :func:`lmcache_backend.blend.segmenting.separator_pattern`), or separator token ids
+            matched as they are.
         ops: op set; defaults to ``get_ops(config.backend)``.
         score_reducer: applied to each check layer's ``[N]`` token scores before choosing, e.g.
             a sum over tensor-parallel ranks so every rank keeps the same tokens (default: none).

@@ -1,7 +1,8 @@
 """``SPTBlendRetriever``: retrieval of cached K/V split on a special-token separator.
 
 Input ``[x, x, x, S, y, y, S, z, z, z, z]`` (``S`` the separator ids) is looked up as the
-segments ``[x, x, x, S]``, ``[y, y, S]`` and ``[z, z, z, z]``; each hit fills its rows.
+segments ``[x, x, x, S]`` and ``[y, y, S]``; each hit fills its rows. The query tail
+``[z, z, z, z]`` is never looked up.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from lmcache_backend.blend.interfaces import (
     BlendRetrieverTask,
 )
 from lmcache_backend.blend.segment_cache import SegmentCache
-from lmcache_backend.segmenting import Segment
+from lmcache_backend.blend.segmenting import Segment, SeparatorPattern
 from lmcache_backend.store import ModelFingerprint, SegmentKV, SegmentStore
 
 
@@ -65,10 +66,11 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
 
 
 class SPTBlendRetriever(BlendRetriever):
-    """Retriever splitting on the separator token ids ``spt``.
+    """Retriever of the segments of a prompt the store holds (never its query tail).
 
     Args:
-        spt: separator token ids (``[S]`` tensor or a sequence).
+        spt: the segment pattern (:class:`~lmcache_backend.blend.segmenting.SeparatorPattern`),
+            or separator token ids (``[S]`` tensor or a sequence) matched as they are.
         cache_engine: the segment store.
         metadata: the model's fingerprint (keys entries, and gives the expected layout).
         device, dtype: where and how retrieved K/V are returned.
@@ -76,14 +78,13 @@ class SPTBlendRetriever(BlendRetriever):
 
     def __init__(
         self,
-        spt: torch.Tensor | Sequence[int],
+        spt: SeparatorPattern | torch.Tensor | Sequence[int],
         cache_engine: SegmentStore,
         metadata: ModelFingerprint,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        ids = spt.tolist() if isinstance(spt, torch.Tensor) else list(spt)
-        self.segment_cache = SegmentCache(cache_engine, metadata, ids)
+        self.segment_cache = SegmentCache(cache_engine, metadata, spt)
         self.device = torch.device(device)
         self.dtype = dtype
 

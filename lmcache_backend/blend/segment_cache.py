@@ -3,10 +3,11 @@
 Looks segments up (validating each entry's layout against the model before use) and stores the
 K/V of a prompt's segments after it was computed.
 
-Only segments that end with the separator (the system part and the chunks) are cached. The tail
-after the last separator is the query: the question and the assistant header. It is new in every
-real RAG request, so it is never served from the store (even when an earlier prompt held the same
-question, its K/V were computed against another context) and never stored.
+Only segments before the query tail are cached: with a separator, the segments that end with it
+(the system part and the chunks). The tail after the last separator is the query: the question
+and the assistant header. It is new in every real RAG request, so it is never served from the
+store (even when an earlier prompt held the same question, its K/V were computed against another
+context) and never stored.
 """
 
 from __future__ import annotations
@@ -16,58 +17,73 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_backend.segmenting import (
-    Segment,
-    cacheable_segments,
-    ends_with_separator,
-    split_segments,
+from lmcache_backend.blend.segmenting import Segment, SegmentPattern, as_pattern
+from lmcache_backend.store import (
+    ModelFingerprint,
+    SegmentKV,
+    SegmentStore,
+    segment_key,
+    segment_keys,
 )
-from lmcache_backend.store import ModelFingerprint, SegmentKV, SegmentStore, segment_key
 
 logger = logging.getLogger(__name__)
 
 
 class SegmentCache:
-    """Segment lookups and stores for one model and one separator."""
+    """Segment lookups and stores for one model and one segment pattern.
+
+    Args:
+        store: the segment store.
+        fingerprint: the model's fingerprint (part of every key).
+        separator: the segment pattern (:func:`~lmcache_backend.blend.segmenting.segment_pattern`:
+            a separator, or separator-free blocks), or plain separator token ids matched as
+            they are.
+    """
 
     def __init__(
-        self, store: SegmentStore, fingerprint: ModelFingerprint, separator: Sequence[int]
+        self,
+        store: SegmentStore,
+        fingerprint: ModelFingerprint,
+        separator: SegmentPattern | Sequence[int],
     ) -> None:
         self.store = store
         self.fingerprint = fingerprint
-        self.separator = [int(t) for t in separator]
-        if not self.separator:
-            raise ValueError("the separator must hold at least one token id")
+        self.pattern = as_pattern(separator)
 
     def segments(self, tokens: Sequence[int]) -> list[Segment]:
         """Every segment of ``tokens``, the query tail included."""
-        return split_segments(tokens, self.separator)
+        return self.pattern.split(tokens)
 
-    def cacheable(self, tokens: Sequence[int], segment: Segment) -> bool:
-        """Whether ``segment`` ends with the separator, i.e. is a chunk and not the query tail."""
-        return ends_with_separator(tokens, segment, self.separator)
+    def query_start(self, tokens: Sequence[int]) -> int:
+        """Where the query tail starts: tokens from there on are never served nor stored."""
+        return self.pattern.query_start(tokens)
 
     def cacheable_segments(self, tokens: Sequence[int]) -> list[Segment]:
-        """The segments that may be served from and stored to the store (not the query tail)."""
-        return cacheable_segments(tokens, self.separator)
+        """The units a computed prompt stores (never the query tail)."""
+        return self.pattern.store_units(tokens)
 
     def key(self, tokens: Sequence[int], segment: Segment) -> str:
         return segment_key(self.fingerprint, tokens[segment.start : segment.end])
 
+    def keys(self, tokens: Sequence[int], segments: Sequence[Segment]) -> list[str]:
+        return segment_keys(self.fingerprint, tokens, [(s.start, s.end) for s in segments])
+
     def cached(self, tokens: Sequence[int]) -> list[tuple[Segment, bool]]:
-        """Each cacheable segment with whether the store holds it (no value is loaded)."""
-        return [
-            (seg, self.store.contains(self.key(tokens, seg)))
-            for seg in self.cacheable_segments(tokens)
-        ]
+        """Each unit a computed prompt stores, with whether the store holds it (nothing is
+        loaded)."""
+        units = self.cacheable_segments(tokens)
+        return [(s, self.store.contains(k)) for s, k in zip(units, self.keys(tokens, units))]
+
+    def match(self, tokens: Sequence[int]) -> list[Segment]:
+        """The segments of ``tokens`` the store holds, never in the query tail."""
+        return self.pattern.match(
+            tokens, lambda segs: [self.store.contains(k) for k in self.keys(tokens, segs)]
+        )
 
     def lookup(self, tokens: Sequence[int]) -> list[tuple[Segment, SegmentKV | None]]:
-        """Each segment with its cached K/V, or None on a miss, an unusable entry or the query
-        tail (never served from the store)."""
-        return [
-            (seg, self._load(tokens, seg) if self.cacheable(tokens, seg) else None)
-            for seg in self.segments(tokens)
-        ]
+        """Each held segment (see :meth:`match`) with its K/V, or None when the entry is gone
+        or unusable."""
+        return [(seg, self._load(tokens, seg)) for seg in self.match(tokens)]
 
     def _load(self, tokens: Sequence[int], segment: Segment) -> SegmentKV | None:
         kv = self.store.get(self.key(tokens, segment))
@@ -122,7 +138,7 @@ class SegmentCache:
         """Store one segment from its own rows: per layer ``[len(segment), Hkv, D]`` K and V
         (keys rotated at positions ``segment.start ..``). Returns 1 if a new entry was written,
         0 if it was already held, too large, or the query tail."""
-        if not self.cacheable(tokens, segment):
+        if segment.end > self.query_start(tokens) or len(segment) == 0:
             return 0
         key = self.key(tokens, segment)
         if self.store.contains(key):

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 _MARKER_RE = re.compile(r"^[0-9a-f]{16,128}$")
 
+#: From this many keys on, :meth:`FileSegmentIndex.contains_many` lists the folder once.
+LISTING_BATCH = 64
+
 
 class SegmentIndex(ABC):
     """A set of segment keys visible to other processes on this machine."""
@@ -103,7 +106,20 @@ class FileSegmentIndex(SegmentIndex):
             self._warn_once(exc)
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        return [os.path.exists(self._path(k)) for k in keys]
+        keys = list(keys)
+        if len(keys) < LISTING_BATCH:
+            return [os.path.exists(self._path(k)) for k in keys]
+        # Many keys (separator-free lookups ask about one window per token): one listing of
+        # the folder instead of a stat per key (4,000 stats took 68 ms on a loaded 2-core
+        # machine; a listing costs in proportion to the markers held, bounded by the local
+        # tiers' capacity).
+        for key in keys:
+            check_key(key)
+        try:
+            names = set(os.listdir(self.folder))
+        except FileNotFoundError:
+            return [False] * len(keys)
+        return [k in names for k in keys]
 
     def keys(self) -> list[str]:
         """Every recorded key (unordered)."""

@@ -27,7 +27,7 @@ def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
     from vllm.config import KVTransferConfig
 
     from lmcache_backend.examples import builtin_examples, reordered
-    from lmcache_backend.segmenting import build_blend_prompt
+    from lmcache_backend.blend.segmenting import build_blend_prompt
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = []

@@ -38,9 +38,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.embedded import embedded_model_path
     from lmcache_backend.examples import builtin_examples, reordered
-    from lmcache_backend.segmenting import build_blend_prompt
 
     path = str(embedded_model_path())
     tok = AutoTokenizer.from_pretrained(path)

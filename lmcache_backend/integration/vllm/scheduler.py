@@ -18,15 +18,15 @@ from typing import Any
 
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
-from lmcache_backend.segmenting import cacheable_segments
 from lmcache_backend.storage import create_lookup
-from lmcache_backend.store import ModelFingerprint, segment_key
+from lmcache_backend.store import ModelFingerprint, segment_keys
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Claim:
+    token_ids: list[int]
     prefix_len: int
     end: int
     reusable: int
@@ -84,23 +84,29 @@ class SchedulerSide:
         rid = request.request_id
         self._claims.pop(rid, None)
         tokens = list(request.prompt_token_ids or [])
-        config = request_config(self.settings.config, getattr(request, "kv_transfer_params", None))
+        config = request_config(
+            self.settings.config,
+            getattr(request, "kv_transfer_params", None),
+            self.settings.num_layers,
+            rid,
+        )
         end = len(tokens) - 1
         if config is None or end <= num_computed_tokens:
             return 0
         self.stats.requests += 1
-        # The query tail (after the last separator) is always computed: never counted as cached.
-        segments = [
-            s
-            for s in cacheable_segments(tokens, self.settings.separator)
-            if s.end > num_computed_tokens
-        ]
-        keys = [segment_key(self.fingerprint, tokens[s.start : s.end]) for s in segments]
-        hits = self._cached(keys) if keys else []
+        # The query tail is always computed: never counted as cached.
+        looked_up: list = []
+
+        def held(segments: list) -> list[bool]:
+            looked_up.extend(segments)
+            spans = [(s.start, s.end) for s in segments]
+            return self._cached(segment_keys(self.fingerprint, tokens, spans))
+
+        hits = self.settings.separator.match(tokens, held)
         reused = sum(
             min(s.end, end) - max(s.start, num_computed_tokens)
-            for s, hit in zip(segments, hits)
-            if hit and min(s.end, end) > max(s.start, num_computed_tokens)
+            for s in hits
+            if min(s.end, end) > max(s.start, num_computed_tokens)
         )
         reusable = num_computed_tokens + reused
         if reused == 0 or reusable < config.blend_min_tokens:
@@ -108,12 +114,13 @@ class SchedulerSide:
                 "request %s: %d reusable tokens (%d cached segments): prefilled by vLLM",
                 rid,
                 reusable,
-                sum(hits),
+                len(hits),
             )
             return 0
         claim = end - num_computed_tokens
         own = config is not self.settings.config  # the request overrides the engine's settings
         self._claims[rid] = _Claim(
+            token_ids=tokens,
             prefix_len=num_computed_tokens,
             end=end,
             reusable=reusable,
@@ -130,8 +137,8 @@ class SchedulerSide:
             rid,
             len(tokens),
             reusable,
-            sum(hits),
-            len(segments),
+            len(hits),
+            len(looked_up),
             num_computed_tokens,
         )
         return claim
@@ -152,11 +159,20 @@ class SchedulerSide:
             self._plan(meta, new.req_id, tracked, new.num_computed_tokens, scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
+            resumed = self.profile.resumed(cached, i)
             tracked = self._tracked.get(rid)
             if tracked is None:
-                continue
+                claim = self._claims.get(rid)
+                if claim is None or not resumed:
+                    continue
+                # Preempted after its prompt was complete (tracking had ended), resumed, and
+                # claimed again: vLLM now counts the claimed tokens as computed, so they must be
+                # loaded into the new blocks, or decoding would read whatever those blocks held.
+                tracked = _Tracked(claim.token_ids)
+                self._tracked[rid] = tracked
+                logger.info("request %s resumed after preemption: blending its prompt again", rid)
             new_blocks = cached.new_block_ids[i]
-            if self.profile.resumed(cached, i):
+            if resumed:
                 tracked.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 tracked.block_ids.extend(new_blocks[0])

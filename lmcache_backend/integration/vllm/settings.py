@@ -3,7 +3,9 @@
 Sources: ``LMCACHE_CONFIG_FILE`` / ``LMCACHE_*`` environment variables, then vLLM's
 ``kv_connector_extra_config`` on top. Per request, ``kv_transfer_params`` may carry
 ``{"blend": false}`` (no reuse for this request), ``{"blend_recompute_ratios": [...]}``,
-``{"blend_check_layers": [...]}`` or ``{"blend_selection": "..."}``.
+``{"blend_check_layers": [...]}`` or ``{"blend_selection": "..."}``. A malformed per-request value
+never fails the engine: it is logged (WARNING, naming the request, key and value) and the engine's
+settings apply.
 """
 
 from __future__ import annotations
@@ -13,16 +15,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from lmcache_backend.blend.segmenting import SegmentPattern, segment_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
-from lmcache_backend.segmenting import separator_token_ids
 
 logger = logging.getLogger(__name__)
 
-#: Blend settings a request may override through ``kv_transfer_params``.
-REQUEST_KEYS = ("blend_recompute_ratios", "blend_check_layers", "blend_selection")
-
 #: ``kv_connector_extra_config`` keys that belong to vLLM's side, not to :class:`BlendConfig`.
 CONNECTOR_KEYS = ("instance_id", "stats_file", "allow_untested_versions", "verify_on_start")
+
+#: ``kv_transfer_params`` keys a request may set.
+REQUEST_KEYS = ("blend", "blend_recompute_ratios", "blend_check_layers", "blend_selection")
 
 
 @dataclass(frozen=True)
@@ -33,20 +35,24 @@ class ConnectorSettings:
         config: the validated blend configuration.
         instance_id: names this engine's cross-process segment index (scheduler and workers).
         tp_size: tensor-parallel ranks; each keeps its own store shard and index.
-        separator: ``blend_special_str`` as token ids.
+        separator: how prompts split into cached units, derived from the model's tokenizer
+            at start-up: ``blend_special_str`` as the ids it produces inside text, or, when it
+            is empty, blocks of ``blend_block_size`` tokens found at any offset.
         stats_file: optional JSON-lines file receiving one record per blended request.
         allow_untested_versions: run on a vLLM release outside the matrix.
         verify_on_start: run ``lmcache-backend verify``'s model checks once when the worker is
             ready and log the result (see :mod:`lmcache_backend.verify`).
+        num_layers: the model's decoder layers (a request's check layers must exist).
     """
 
     config: BlendConfig
     instance_id: str
     tp_size: int
-    separator: tuple[int, ...]
+    separator: SegmentPattern
     stats_file: str | None
     allow_untested_versions: bool
     verify_on_start: bool = False
+    num_layers: int | None = None
 
     def rank_instance(self, rank: int) -> str:
         """Index id of one rank (the same on the scheduler and on that rank's worker)."""
@@ -77,12 +83,13 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
     own = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
     config = load_config(**extra)
     mc = vllm_config.model_config
-    config.validate_for_model(int(mc.hf_text_config.num_hidden_layers))
+    num_layers = int(mc.hf_text_config.num_hidden_layers)
+    config.validate_for_model(num_layers)
     tokenizer = _tokenizer(
         str(mc.tokenizer), getattr(mc, "tokenizer_revision", None), bool(mc.trust_remote_code)
     )
     try:
-        separator = tuple(separator_token_ids(tokenizer, config.blend_special_str))
+        separator = segment_pattern(tokenizer, config.blend_special_str, config.blend_block_size)
     except ValueError as exc:
         raise ConfigError(f"blend_special_str={config.blend_special_str!r}: {exc}") from exc
     instance_id = str(own.get("instance_id") or f"vllm-{kv.engine_id}")
@@ -94,6 +101,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         stats_file=own.get("stats_file"),
         allow_untested_versions=bool(own.get("allow_untested_versions", False)),
         verify_on_start=_flag("verify_on_start", own.get("verify_on_start", False)),
+        num_layers=num_layers,
     )
 
 
@@ -108,22 +116,61 @@ def _flag(key: str, value: Any) -> bool:
     raise ConfigError(f"{key}={value!r}: expected true or false")
 
 
-def request_config(config: BlendConfig, params: dict | None) -> BlendConfig | None:
+def request_config(
+    config: BlendConfig,
+    params: Any,
+    num_layers: int | None = None,
+    request_id: str = "?",
+) -> BlendConfig | None:
     """The configuration of one request after its ``kv_transfer_params``; None: do not blend.
 
-    An invalid per-request value is logged and ignored (the engine's settings apply).
+    ``params`` comes from the client unchecked (any JSON value). ``{"blend": false}`` opts out;
+    ``blend_recompute_ratios`` / ``blend_check_layers`` / ``blend_selection`` are parsed like
+    the engine's settings and the check layers must exist in a model of ``num_layers``.
+    Anything invalid (a non-dict, a ``blend`` that is not a boolean, an unparsable or
+    out-of-range value, a misspelt ``blend*`` key) is logged as a WARNING naming the request and
+    the engine's settings apply: a bad request must never stop the engine. Keys not starting
+    with ``blend`` belong to other connectors and are left alone.
     """
     if not config.enable_blending:
         return None
     if not params:
         return config
-    if params.get("blend") is False:
+    if not isinstance(params, dict):
+        logger.warning(
+            "request %s: ignoring kv_transfer_params %r: expected a JSON object", request_id, params
+        )
+        return config
+    unknown = sorted(k for k in params if str(k).startswith("blend") and k not in REQUEST_KEYS)
+    if unknown:
+        logger.warning(
+            "request %s: ignoring unknown kv_transfer_params %s (known: %s)",
+            request_id,
+            unknown,
+            ", ".join(REQUEST_KEYS),
+        )
+    blend = params.get("blend", True)
+    if blend is False:
         return None
-    changes = {k: params[k] for k in REQUEST_KEYS if k in params}
+    if blend is not True:
+        logger.warning(
+            "request %s: ignoring kv_transfer_params blend=%r: expected true or false",
+            request_id,
+            blend,
+        )
+    changes = {k: params[k] for k in REQUEST_KEYS[1:] if k in params}
     if not changes:
         return config
     try:
-        return config.replace(**changes)
+        out = config.replace(**changes)
+        if num_layers is not None:
+            out.validate_for_model(num_layers)
+        return out
     except (ConfigError, TypeError, ValueError) as exc:
-        logger.warning("ignoring kv_transfer_params %s: %s", changes, exc)
+        logger.warning(
+            "request %s: ignoring kv_transfer_params %s: %s; the engine's settings apply",
+            request_id,
+            changes,
+            exc,
+        )
         return config

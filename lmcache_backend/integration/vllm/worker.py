@@ -226,6 +226,8 @@ class WorkerSide:
         self._blenders: dict[tuple, LMCBlender] = {}
         self.records: list[BlendRecord] = []
         self.stored_segments = 0
+        # request -> [T] bool: rows blended from the store (not vLLM's prefix); read by save()
+        self._reused: dict[str, torch.Tensor] = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -419,6 +421,12 @@ class WorkerSide:
         result = self._blender(spec).blend(spec.token_ids, cached_prefix=prefix)
         paged_layers = self._writer.paged_layers
         self._writer.target(torch.empty(0, dtype=torch.int64), 0, 0)
+        reused = result.valid_mask.clone()
+        reused[: spec.prefix_len] = False
+        if bool(reused.any()):
+            self._reused[spec.req_id] = reused
+            while len(self._reused) > 4096:  # requests aborted before their save
+                self._reused.pop(next(iter(self._reused)))
         layers = self.model.num_layers
         record = BlendRecord(
             req_id=spec.req_id,
@@ -469,8 +477,15 @@ class WorkerSide:
         """Store the segments of ``spec``'s prompt the store lacks; returns how many."""
         self._ensure_ready()
         tokens = spec.token_ids
-        # cached() covers the chunks only: the query tail is never stored.
-        missing = [seg for seg, hit in self.segments.cached(tokens) if not hit]
+        reused = self._reused.pop(spec.req_id, None)
+        # cached() covers the chunks only: the query tail is never stored. A unit holding rows
+        # blended from the store is not stored either: its K/V are not a computation of its own
+        # (separator-free blocks can overlap a reused block found at another offset).
+        missing = [
+            seg
+            for seg, hit in self.segments.cached(tokens)
+            if not hit and (reused is None or not bool(reused[seg.start : seg.end].any()))
+        ]
         if not missing:
             return 0
         slots = slots_for(spec.block_ids, self.block_size, 0, len(tokens))

@@ -1,4 +1,5 @@
-"""``lmcache-backend demo``: CacheBlend on the embedded model, side by side with full prefill.
+"""``lmcache-backend demo --engine hf``: CacheBlend on the embedded model (HF transformers engine),
+side by side with full prefill.
 
 Stores the chunks of a RAG prompt, then answers a prompt holding the same chunks in another
 order three ways: full prefill, CacheBlend (ratio 0.15, check layer 1) and naive reuse (ratio 0).
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcache_backend.blend.segmenting import build_blend_prompt
 from lmcache_backend.config import load_config
 from lmcache_backend.examples import builtin_examples, reordered
-from lmcache_backend.segmenting import build_blend_prompt
 
 
 @dataclass
@@ -131,15 +132,6 @@ def run_demo(
         "strategies": [row.__dict__ for row in rows],
         "cacheblend_speedup": blend_row.speedup,
     }
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ratio", type=float, default=0.15, help="CacheBlend recompute ratio")
-    parser.add_argument("--check-layer", type=int, default=1, help="CacheBlend check layer")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per strategy")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--example", type=int, default=0, help="built-in example index")
-    parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
 
 
 def main(args: argparse.Namespace) -> int:

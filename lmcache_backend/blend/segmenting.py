@@ -1,0 +1,378 @@
+"""Split prompts into segments, and build blend-ready prompts.
+
+Segments follow LMCache's "special token" (SPT) convention: a chunk ends with the separator, so
+``[x, x, x, S, y, y, S, z, z]`` (``S`` the separator's ids) gives ``[x, x, x, S]``, ``[y, y, S]``
+and ``[z, z]``.
+
+The separator is matched as it tokenizes *inside running text*, not as it encodes alone. With
+a byte-level BPE tokenizer (Llama-3, Qwen, SmolLM2) ``" # # "`` alone encodes to
+``[' #', ' #', ' ']``, but in ``"... gato. # # El perro ..."`` the trailing space merges into
+the next word: ``['.', ' #', ' #', ' El', ' perro']``. :func:`separator_pattern` finds, per
+tokenizer, the ids the separator always produces between words (here ``[' #', ' #']``); a
+segment ends right after them and the separator's trailing whitespace belongs to the next
+chunk's first token (``' El'``). So a chat message holding
+``"<system> # # chunk 1 # # chunk 2 # # question"`` splits into the same segments, with the same
+ids, as :func:`build_blend_prompt` produces: both tokenize the whole text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_PLACEHOLDER = "\x00LMCACHE_BACKEND_USER_CONTENT\x00"
+
+#: Words put on each side of the separator to see how it tokenizes between words. The right-hand
+#: words start differently (letter, capital, digit) so that only ids the separator produces
+#: whatever follows it are kept.
+_PROBE_LEFT = ("a", "Hello world.", "x1")
+_PROBE_RIGHT = ("b", "The", "1", "(")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens ``start`` (inclusive) to ``end`` (exclusive) of a prompt."""
+
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+#: ``held(segments)`` -> per segment, whether the store holds its K/V.
+Held = Callable[[list[Segment]], list[bool]]
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return list(a[:n])
+
+
+@dataclass(frozen=True)
+class SeparatorPattern:
+    """The separator as token ids, and where it places segment boundaries.
+
+    Attributes:
+        ids: the ids to match: what the separator produces inside text (see the module
+            docstring). A segment ends right after each occurrence; occurrences do not overlap.
+        text: the separator string (``blend_special_str``), when known.
+    """
+
+    ids: tuple[int, ...]
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.ids:
+            raise ValueError("separator must hold at least one token id")
+
+    def split(self, tokens: Sequence[int]) -> list[Segment]:
+        """Every segment of ``tokens``, the query tail included (see :func:`split_segments`)."""
+        return split_segments(tokens, self.ids)
+
+    def query_start(self, tokens: Sequence[int]) -> int:
+        """Where the query tail starts: right after the last separator (0 if there is none)."""
+        segments = self.cacheable_segments(tokens)
+        return segments[-1].end if segments else 0
+
+    def cacheable(self, tokens: Sequence[int], segment: Segment) -> bool:
+        """Whether ``segment`` ends with the separator: a system part or a chunk."""
+        return ends_with_separator(tokens, segment, self.ids)
+
+    def cacheable_segments(self, tokens: Sequence[int]) -> list[Segment]:
+        """The segments that may be served from and stored to the store (not the query tail)."""
+        return cacheable_segments(tokens, self.ids)
+
+    def store_units(self, tokens: Sequence[int]) -> list[Segment]:
+        """The segments a computed prompt stores: its cacheable segments."""
+        return self.cacheable_segments(tokens)
+
+    def match(self, tokens: Sequence[int], held: Held) -> list[Segment]:
+        """The cacheable segments ``held`` says the store holds (one batched ``held`` call)."""
+        segments = self.cacheable_segments(tokens)
+        if not segments:
+            return []
+        return [s for s, hit in zip(segments, held(segments)) if hit]
+
+
+def separator_token_ids(tokenizer: Any, blend_special_str: str) -> list[int]:
+    """Token ids of the separator encoded alone, without special tokens (no BOS: ``encode(sep)
+    [1:]`` would drop a real token on tokenizers that add none).
+
+    Raises:
+        ValueError: the separator encodes to no tokens.
+    """
+    ids = _encode(tokenizer, blend_special_str)
+    if not ids:
+        raise ValueError(f"blend_special_str {blend_special_str!r} encodes to no tokens")
+    return ids
+
+
+def separator_pattern(tokenizer: Any, blend_special_str: str) -> SeparatorPattern:
+    """The ids ``blend_special_str`` produces between words, for ``tokenizer``.
+
+    Encodes ``left + sep + right`` for a few words on each side (without special tokens, so no
+    BOS), drops the left word's ids and keeps the ids common to every probe: whitespace the
+    separator ends with merges into the next word and is left out.
+
+    Raises:
+        ValueError: the separator produces no ids of its own between words (e.g. whitespace only).
+    """
+    alone = separator_token_ids(tokenizer, blend_special_str)
+    core: list[int] | None = None
+    for left in _PROBE_LEFT:
+        left_ids = _encode(tokenizer, left)
+        for right in _PROBE_RIGHT:
+            ids = _encode(tokenizer, left + blend_special_str + right)
+            if ids[: len(left_ids)] != left_ids:
+                continue  # the separator merged with the left word: not a usable probe
+            middle = ids[len(left_ids) :]
+            core = middle if core is None else _common_prefix(core, middle)
+    if not core:
+        raise ValueError(
+            f"blend_special_str {blend_special_str!r} produces no token ids of its own between "
+            f"words (alone it encodes to {alone}); choose a separator with visible characters"
+        )
+    return SeparatorPattern(ids=tuple(core), text=blend_special_str)
+
+
+def split_segments(tokens: Sequence[int], separator: Sequence[int]) -> list[Segment]:
+    """Split ``tokens`` after every occurrence of ``separator`` (occurrences do not overlap).
+
+    Every token belongs to exactly one segment; each segment but possibly the last ends with the
+    separator. An empty prompt gives no segments.
+    """
+    sep = list(separator)
+    if not sep:
+        raise ValueError("separator must hold at least one token id")
+    toks = list(tokens)
+    n, m = len(toks), len(sep)
+    segments: list[Segment] = []
+    start = i = 0
+    while i + m <= n:
+        if toks[i : i + m] == sep:
+            segments.append(Segment(start, i + m))
+            start = i = i + m
+        else:
+            i += 1
+    if start < n:
+        segments.append(Segment(start, n))
+    return segments
+
+
+def ends_with_separator(tokens: Sequence[int], segment: Segment, separator: Sequence[int]) -> bool:
+    """Whether ``segment`` of ``tokens`` ends with ``separator``: a system part or a chunk, not
+    the query tail after the last separator."""
+    m = len(separator)
+    return len(segment) >= m and list(tokens[segment.end - m : segment.end]) == list(separator)
+
+
+def cacheable_segments(tokens: Sequence[int], separator: Sequence[int]) -> list[Segment]:
+    """The segments of ``tokens`` that end with the separator.
+
+    The tail after the last separator (the question and the assistant header) is left out: it
+    is new in every real request, so it is always computed and never stored.
+    """
+    return [
+        s for s in split_segments(tokens, separator) if ends_with_separator(tokens, s, separator)
+    ]
+
+
+@dataclass(frozen=True)
+class BlendPrompt:
+    """A prompt built by :func:`build_blend_prompt`.
+
+    Attributes:
+        token_ids: the whole prompt.
+        segments: one per part: the system part, each chunk, then the question part.
+        text: the prompt as text (chat template applied when one was used).
+    """
+
+    token_ids: list[int]
+    segments: list[Segment]
+    text: str = ""
+
+
+def chat_messages(
+    system: str, chunks: Sequence[str], question: str, blend_special_str: str = " # # "
+) -> list[dict[str, str]]:
+    """The chat messages :func:`build_blend_prompt` renders: the system message, then one user
+    message ``SEP + chunk_1 + SEP + ... + chunk_n + SEP + question``.
+
+    The user message starts with the separator so that the first chunk gets its own segment,
+    tokenized exactly like the chunks after it (its first word after the separator's space).
+    """
+    sep = blend_special_str
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": sep + sep.join(chunks) + sep + question},
+    ]
+
+
+def build_blend_prompt(
+    tokenizer: Any,
+    system: str,
+    chunks: Sequence[str],
+    question: str,
+    blend_special_str: str = " # # ",
+    use_chat_template: bool = True,
+) -> BlendPrompt:
+    """Token ids of ``system + SEP + chunk_1 + SEP + ... + chunk_n + SEP + question``, exactly as
+    a server tokenizes that text.
+
+    With ``use_chat_template`` and a tokenizer that has a chat template, the text is
+    :func:`chat_messages` rendered by the template and encoded without special tokens (what
+    vLLM's chat endpoint does; the template writes any BOS). Otherwise it is the plain string
+    encoded with the tokenizer's special tokens (what vLLM's completions endpoint does).
+
+    Because the whole text is tokenized, a chunk gets the ids it gets inside any text prompt:
+    after the separator its first word carries the separator's trailing space (``' El'``, not
+    ``'El'``), so the chunk's segment, and its stored entry, is the same whether the prompt came
+    from this helper or from a client's text.
+
+    Raises:
+        ValueError: the prompt does not split into ``len(chunks) + 2`` segments (a chunk holds
+            the separator, or the chat template trims the user message's leading separator).
+    """
+    pattern = separator_pattern(tokenizer, blend_special_str)
+    text = None
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            chat_messages(system, chunks, question, blend_special_str),
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        token_ids = _encode(tokenizer, text)
+    else:
+        sep = blend_special_str
+        text = system + sep + sep.join(chunks) + sep + question
+        token_ids = [int(t) for t in tokenizer.encode(text)]
+    segments = pattern.split(token_ids)
+    if len(segments) != len(chunks) + 2:
+        raise ValueError(
+            f"the prompt splits into {len(segments)} segments on {blend_special_str!r}, "
+            f"expected {len(chunks) + 2} (system, {len(chunks)} chunks, question): does a "
+            "chunk hold the separator, or does the chat template strip the user message?"
+        )
+    return BlendPrompt(token_ids=token_ids, segments=segments, text=text)
+
+
+@dataclass(frozen=True)
+class BlockPattern:
+    """Separator-free segmenting: fixed-size token blocks, found wherever they recur.
+
+    A computed prompt stores its tokens as blocks of ``block_size`` tokens aligned to the start
+    of the prompt (``[0, B)``, ``[B, 2B)``, ...), each with the position it was computed at. A new
+    prompt is searched for those blocks at *every* token offset (one key per window of ``B``
+    tokens, one batched lookup); a found block's K/V are reused (re-rotated to the new positions
+    by the blender), every token not covered by a found block is computed like an uncached
+    token. A chunk that moved by any number of tokens is found, except its edges: up to
+    ``B - 1`` tokens at each end fall in blocks that also hold neighbouring text.
+
+    The query tail (never served, never stored) starts at the last chat message: the last
+    occurrence of ``turn_start``, the ids the chat template writes between two messages before
+    a user message (e.g. ``<|im_end|>\\n<|im_start|>user``). Without them (no chat template, or
+    a plain prompt) it is the last ``block_size`` tokens.
+
+    Attributes:
+        block_size: ``B``, tokens per block (``blend_block_size``).
+        turn_start: ids opening a user message after another message; may be empty.
+    """
+
+    block_size: int
+    turn_start: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def query_start(self, tokens: Sequence[int]) -> int:
+        """Where the query tail starts (see the class docstring)."""
+        toks, m = list(tokens), len(self.turn_start)
+        if m:
+            want = list(self.turn_start)
+            for i in range(len(toks) - m, -1, -1):
+                if toks[i : i + m] == want:
+                    return i
+        return max(0, len(toks) - self.block_size)
+
+    def split(self, tokens: Sequence[int]) -> list[Segment]:
+        """The aligned blocks before the query tail, then the rest of the prompt as one segment
+        (every token belongs to exactly one segment)."""
+        units = self.store_units(tokens)
+        end = units[-1].end if units else 0
+        return units + ([Segment(end, len(tokens))] if end < len(tokens) else [])
+
+    def store_units(self, tokens: Sequence[int]) -> list[Segment]:
+        """The blocks a computed prompt stores: aligned to its start, ending before the tail."""
+        b, q = self.block_size, self.query_start(tokens)
+        return [Segment(i, i + b) for i in range(0, q - b + 1, b)]
+
+    def match(self, tokens: Sequence[int], held: Held) -> list[Segment]:
+        """Stored blocks found in ``tokens`` at any offset before the query tail, left to right,
+        not overlapping (a hit at ``i`` resumes the search at ``i + B``)."""
+        b, q = self.block_size, self.query_start(tokens)
+        windows = [Segment(i, i + b) for i in range(0, q - b + 1)]
+        if not windows:
+            return []
+        hits = held(windows)
+        found, i = [], 0
+        while i < len(windows):
+            if hits[i]:
+                found.append(windows[i])
+                i += b
+            else:
+                i += 1
+        return found
+
+
+#: How a prompt splits into cached units: around a separator, or in blocks found at any offset.
+SegmentPattern = SeparatorPattern | BlockPattern
+
+_TURN_A, _TURN_B = "\x00LMCACHE_A\x00", "\x00LMCACHE_B\x00"
+
+
+def turn_start_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Ids the tokenizer's chat template writes between a message and the next user message's
+    content, less the last one (it may merge with the content's first characters); ``()`` when
+    there is no chat template or it cannot render a three-message conversation."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ()
+    messages = [
+        {"role": "user", "content": _TURN_A},
+        {"role": "assistant", "content": _TURN_B},
+        {"role": "user", "content": _PLACEHOLDER},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # templates may reject roles or need arguments: no chat structure then
+        return ()
+    if _TURN_B not in text or _PLACEHOLDER not in text:
+        return ()
+    between = text.split(_TURN_B, 1)[1].split(_PLACEHOLDER, 1)[0]
+    ids = _encode(tokenizer, between)
+    return tuple(ids[:-1]) if len(ids) > 1 else tuple(ids)
+
+
+def segment_pattern(tokenizer: Any, blend_special_str: str, block_size: int = 16) -> SegmentPattern:
+    """The pattern a configuration asks for: :func:`separator_pattern` of ``blend_special_str``,
+    or, when it is empty, a :class:`BlockPattern` of ``block_size`` tokens (separator-free)."""
+    if blend_special_str == "":
+        return BlockPattern(block_size=block_size, turn_start=turn_start_ids(tokenizer))
+    return separator_pattern(tokenizer, blend_special_str)
+
+
+def as_pattern(separator: Any) -> SegmentPattern:
+    """``separator`` as a pattern: a pattern is returned as is, token ids become a
+    :class:`SeparatorPattern` matching exactly those ids."""
+    if hasattr(separator, "match") and hasattr(separator, "store_units"):
+        return separator
+    ids = separator.tolist() if hasattr(separator, "tolist") else list(separator)
+    return SeparatorPattern(ids=tuple(int(t) for t in ids))

@@ -1,0 +1,406 @@
+"""``lmcache-backend demo``: RAG chats through vLLM's OpenAI server with ``CacheBlendConnector``.
+
+It starts ``lmcache-backend serve`` (vLLM's OpenAI-compatible server with the connector) on the
+embedded model, on a free loopback port, and talks to it with the ``openai`` client, as an
+application would: chat requests, the documents in the user message, each preceded by the
+separator ``" # # "``. For each RAG chat:
+
+1. warm-up: the documents in their original order, with a different question, fill the store
+   (vLLM prefills; the connector stores each document's K/V);
+2. the documents reordered, with the chat's own question (never seen before), twice:
+   full prefill (the request opts out: ``kv_transfer_params={"blend": false}``) and CacheBlend.
+
+TTFT is measured by the client: time from sending the streaming request to its first content
+chunk. Both requests run on the same server, one at a time, with vLLM's prefix cache off, so the
+full prefill really computes every token. The server is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: The separator between documents (``blend_special_str``'s default).
+SEPARATOR = " # # "
+
+#: The warm-up question: the documents are stored under a question the chats never ask.
+WARM_QUESTION = "Which names appear in the documents?"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """``lmcache-backend serve`` as a child process on a loopback port; every wait is bounded.
+
+    Args:
+        vllm_args: further ``vllm serve`` options (e.g. ``["--enforce-eager"]``).
+        env: environment variables set for the server (``LMCACHE_*``, ``VLLM_*``).
+        stats_file: the connector's JSON-lines file of blended requests.
+        log_path: where the server's output goes (default: a temporary file).
+        model: model folder (default: the embedded SmolLM2 model).
+    """
+
+    def __init__(
+        self,
+        vllm_args: list[str] | tuple[str, ...] = (),
+        *,
+        env: dict[str, str] | None = None,
+        stats_file: str | Path | None = None,
+        log_path: str | Path | None = None,
+        model: str | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.stats_file = Path(stats_file) if stats_file else None
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="lmcache-backend-serve-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        cmd = [sys.executable, "-m", "lmcache_backend", "serve"]
+        if model:
+            cmd.append(model)
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *vllm_args]
+        if self.stats_file:
+            cmd += ["--stats-file", str(self.stats_file)]
+        self.cmd = cmd
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+            # CPU build: reserve this many GiB for the KV cache instead of a share of all memory
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "LMCACHE_ENABLE_BLENDING": "true",
+            **(env or {}),
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 300.0) -> ServerProcess:
+        """Start the server and wait until ``/health`` answers (at most ``timeout_s``).
+
+        Raises:
+            RuntimeError: the server exited or did not answer in time (with its last log lines).
+        """
+        log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes to it until stop()
+        # A session of its own: stop() ends the server and the engine processes it started.
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def metrics(self) -> str:
+        """The server's Prometheus metrics (``/metrics``)."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as resp:
+            return resp.read().decode()
+
+    def stats(self) -> list[dict]:
+        """The connector's records of blended requests so far."""
+        if not self.stats_file or not self.stats_file.exists():
+            return []
+        return [json.loads(line) for line in self.stats_file.read_text().splitlines() if line]
+
+    def client(self, timeout_s: float = 120.0) -> Any:
+        from openai import OpenAI
+
+        return OpenAI(
+            base_url=f"{self.base_url}/v1", api_key="unused", timeout=timeout_s, max_retries=0
+        )
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def metric_total(metrics_text: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples over its labels (``vllm:num_preemptions_total``)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class Reply:
+    """One streamed answer: its text and the client-side time to the first content chunk."""
+
+    text: str
+    ttft_s: float
+    total_s: float
+
+
+class RagClient:
+    """Sends RAG requests as text, the way an application does.
+
+    ``fmt="chat"``: chat requests, a system message and one user message holding the documents
+    and the question, each preceded by ``blend_special_str``
+    (:func:`~lmcache_backend.blend.segmenting.chat_messages`). ``fmt="completions"``: completions
+    requests whose prompt is the text ``system + SEP + doc_1 + ... + SEP + question``.
+    """
+
+    FORMATS = ("chat", "completions")
+
+    def __init__(self, client: Any, model: str, tokenizer: Any, fmt: str = "chat") -> None:
+        if fmt not in self.FORMATS:
+            raise ValueError(f"unknown request format {fmt!r}: one of {self.FORMATS}")
+        self.client = client
+        self.model = model
+        self.tokenizer = tokenizer
+        self.fmt = fmt
+
+    def with_client(self, client: Any) -> RagClient:
+        return RagClient(client, self.model, self.tokenizer, self.fmt)
+
+    def prompt(self, system: str, docs: list[str], question: str) -> list[int]:
+        """The prompt's token ids as the server tokenizes them."""
+        from lmcache_backend.blend.segmenting import build_blend_prompt
+
+        chat = self.fmt == "chat"
+        return build_blend_prompt(
+            self.tokenizer, system, docs, question, use_chat_template=chat
+        ).token_ids
+
+    def ask(
+        self,
+        system: str,
+        docs: list[str],
+        question: str,
+        max_tokens: int = 24,
+        params: dict | None = None,
+        stream: bool = True,
+    ) -> Reply:
+        from lmcache_backend.blend.segmenting import chat_messages
+
+        kwargs: dict[str, Any] = dict(
+            model=self.model,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"kv_transfer_params": params} if params is not None else None,
+        )
+        if self.fmt == "chat":
+            create = self.client.chat.completions.create
+            kwargs["messages"] = chat_messages(system, docs, question)
+        else:
+            create = self.client.completions.create
+            kwargs["prompt"] = SEPARATOR.join([system, *docs, question])
+        start = time.perf_counter()
+        if not stream:
+            out = create(**kwargs)
+            elapsed = time.perf_counter() - start
+            return Reply(self._text(out.choices[0], False), elapsed, elapsed)
+        first = None
+        parts: list[str] = []
+        for chunk in create(stream=True, **kwargs):
+            text = self._text(chunk.choices[0], True) if chunk.choices else ""
+            if text:
+                if first is None:
+                    first = time.perf_counter() - start
+                parts.append(text)
+        total = time.perf_counter() - start
+        return Reply("".join(parts), total if first is None else first, total)
+
+    def _text(self, choice: Any, delta: bool) -> str:
+        if self.fmt == "completions":
+            return choice.text or ""
+        return (choice.delta.content if delta else choice.message.content) or ""
+
+
+@dataclass
+class ChatRow:
+    question: str
+    gold: str
+    prompt_tokens: int
+    full: Reply
+    blend: Reply
+    recomputed: int = 0
+    reusable: int = 0
+    speedup: float = field(init=False)
+    matches: bool = field(init=False)
+    correct: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.speedup = self.full.ttft_s / max(self.blend.ttft_s, 1e-9)
+        self.matches = self.full.text == self.blend.text
+        self.correct = self.gold.lower() in self.blend.text.lower()
+
+
+def longer(chunks: list[str], repeat: int) -> list[str]:
+    """Each document repeated ``repeat`` times (longer prompts show the TTFT difference)."""
+    return [" ".join([c] * repeat) for c in chunks]
+
+
+def run_chats(
+    rag: RagClient,
+    stats: Any,
+    examples: int = 3,
+    chunk_repeat: int = 2,
+    max_tokens: int = 24,
+    out=sys.stdout,
+) -> list[ChatRow]:
+    """Warm up, then ask each example's question over reordered documents, opted out and blended.
+
+    ``stats()`` returns the connector's blend records so far (to report recomputed tokens).
+    """
+    from lmcache_backend.examples import builtin_examples, reordered
+
+    rows: list[ChatRow] = []
+    for i, ex in enumerate(builtin_examples(examples, chunks_per_example=4)):
+        docs = longer(ex.chunks, chunk_repeat)
+        rag.ask(ex.system, docs, WARM_QUESTION, max_tokens=1, stream=False)  # fills the store
+        again = reordered(docs, seed=i + 1)
+        full = rag.ask(ex.system, again, ex.question, max_tokens, params={"blend": False})
+        before = len(stats())
+        blend = rag.ask(ex.system, again, ex.question, max_tokens)
+        records = stats()[before:]
+        row = ChatRow(
+            question=ex.question,
+            gold=ex.answers[0],
+            prompt_tokens=len(rag.prompt(ex.system, again, ex.question)),
+            full=full,
+            blend=blend,
+            recomputed=sum(r["recomputed_reusable"] for r in records),
+            reusable=sum(r["num_reusable"] for r in records),
+        )
+        rows.append(row)
+        _print_row(i + 1, row, out)
+    return rows
+
+
+def _print_row(index: int, row: ChatRow, out) -> None:
+    blended = (
+        f"{row.recomputed}/{row.reusable} reusable tokens recomputed"
+        if row.reusable
+        else "NOT blended (no cached documents found)"
+    )
+    print(
+        f"\nchat {index}: {row.question}  ({row.prompt_tokens} prompt tokens; gold: {row.gold})",
+        file=out,
+    )
+    print(
+        f"  full prefill  TTFT {1000 * row.full.ttft_s:8.0f} ms  {row.full.text.strip()!r}",
+        file=out,
+    )
+    print(
+        f"  CacheBlend    TTFT {1000 * row.blend.ttft_s:8.0f} ms  {row.blend.text.strip()!r}",
+        file=out,
+    )
+    print(
+        f"  speedup {row.speedup:.2f}x, answers {'match' if row.matches else 'differ'}; {blended}",
+        file=out,
+    )
+
+
+def run_demo(
+    ratio: float = 0.15,
+    examples: int = 3,
+    chunk_repeat: int = 2,
+    max_tokens: int = 24,
+    out=sys.stdout,
+) -> dict:
+    """Start the server, run the chats, stop the server; return the numbers."""
+    from transformers import AutoTokenizer
+
+    from lmcache_backend.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
+
+    model = str(embedded_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    with tempfile.TemporaryDirectory(prefix="lmcache-backend-demo-") as tmp:
+        server = ServerProcess(
+            # prefix caching off: the opted-out request is a full prefill of every token
+            ["--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "4096"],
+            env={"LMCACHE_BLEND_RECOMPUTE_RATIOS": str(ratio)},
+            stats_file=Path(tmp) / "blend.jsonl",
+            log_path=Path(tmp) / "server.log",
+            model=model,
+        )
+        print(
+            f"starting vLLM's OpenAI server with CacheBlendConnector on {server.base_url} "
+            f"({EMBEDDED_MODEL_NAME}, ratio {ratio:g}) ...",
+            file=out,
+            flush=True,
+        )
+        started = time.perf_counter()
+        try:
+            server.start()
+            print(f"server ready in {time.perf_counter() - started:.0f} s", file=out, flush=True)
+            rag = RagClient(server.client(), model, tokenizer)
+            rows = run_chats(rag, server.stats, examples, chunk_repeat, max_tokens, out)
+        except Exception:
+            print(f"server log (last lines):\n{server.log_tail()}", file=out)
+            raise
+        finally:
+            server.stop()
+    speedup = statistics.median(r.speedup for r in rows)
+    matches = sum(r.matches for r in rows)
+    print(
+        f"\n{matches} of {len(rows)} CacheBlend answers match full prefill "
+        f"(ratio {ratio:g}; a 135M model is sensitive to approximate K/V)",
+        file=out,
+    )
+    print(f"CacheBlend speedup over full prefill (TTFT, median): {speedup:.2f}x", file=out)
+    return {
+        "model": EMBEDDED_MODEL_NAME,
+        "ratio": ratio,
+        "chats": [asdict(r) for r in rows],
+        "cacheblend_speedup": speedup,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run_demo(args.ratio, args.chats, args.chunk_repeat, args.max_new_tokens)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=2)
+    return 0

