@@ -100,8 +100,8 @@ def _dtype_key(dtype: torch.dtype) -> torch.dtype:
 
 def builtin_prompts(tokenizer: Any, count: int = 4, separator: str | None = None) -> list:
     """``count`` pairs ``(original, reordered)`` of prompt token ids from the built-in examples."""
-    from lmcache_backend.examples import builtin_examples, reordered
     from lmcache_backend.blend.segmenting import build_blend_prompt
+    from lmcache_backend.examples import builtin_examples, reordered
 
     kw = {} if separator is None else {"blend_special_str": separator}
     pairs = []

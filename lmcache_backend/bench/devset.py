@@ -76,8 +76,8 @@ def hf_answer(max_new_tokens: int = 16) -> Answer:
     """Greedy answers of the embedded model (HF transformers, fp32) to a plain chat prompt."""
     import torch
 
-    from lmcache_backend.embedded import load_embedded_model
     from lmcache_backend.blend.segmenting import build_blend_prompt
+    from lmcache_backend.embedded import load_embedded_model
 
     model, tokenizer = load_embedded_model()
     stop = {tokenizer.eos_token_id}

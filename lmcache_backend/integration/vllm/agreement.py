@@ -26,8 +26,8 @@ def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from lmcache_backend.examples import builtin_examples, reordered
     from lmcache_backend.blend.segmenting import build_blend_prompt
+    from lmcache_backend.examples import builtin_examples, reordered
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = []
