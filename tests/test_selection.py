@@ -15,6 +15,7 @@ from lmcache_backend.blend.selection import (
     SCORERS,
     CheckInputs,
     query_attention_mass,
+    value_weighted,
 )
 from lmcache_backend.config import SELECTION_CHOICES, ConfigError, load_config
 from lmcache_backend.hf_engine import hf_full_prefill
@@ -57,6 +58,12 @@ def test_query_kv_deviation_multiplies_mass_and_key_distance() -> None:
     mass = torch.tensor([0.5, 0.25, 2.0])
     scores = SCORERS["query_kv_deviation"](_inputs(mass))
     torch.testing.assert_close(scores, torch.tensor([0.5 * 1.0, 0.25 * 2.0, 0.0]))
+
+
+def test_value_weighting_multiplies_mass_by_mean_value_norm() -> None:
+    mass = torch.tensor([1.0, 2.0])
+    values = torch.tensor([[[3.0, 4.0], [0.0, 1.0]], [[0.0, 0.0], [6.0, 8.0]]])  # norms 5,1 / 0,10
+    torch.testing.assert_close(value_weighted(mass, values), torch.tensor([3.0, 10.0]))
 
 
 def test_query_attention_mass_by_hand() -> None:
@@ -136,9 +143,10 @@ def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch
     count = int(0.1 * query_start)
 
     def fake_mass(q, k, positions, scale):
+        # ranks 100x apart: the value-norm weighting cannot reorder them
         mass = torch.zeros(k.shape[0])
-        mass[system] = 100.0
-        mass[favoured] = torch.arange(len(favoured), 0, -1, dtype=torch.float32)
+        mass[system] = 1e36
+        mass[favoured] = 100.0 ** torch.arange(len(favoured), 0, -1, dtype=torch.float32)
         return mass
 
     monkeypatch.setattr(blender_module, "query_attention_mass", fake_mass)

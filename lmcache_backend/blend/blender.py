@@ -32,6 +32,7 @@ from lmcache_backend.blend.selection import (
     SCORERS,
     CheckInputs,
     query_attention_mass,
+    value_weighted,
 )
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.models.base import ModelAdapter
@@ -40,6 +41,10 @@ from lmcache_backend.ops.reference import select_topk_with_invalid, selection_co
 from lmcache_backend.store import SegmentStore
 
 logger = logging.getLogger(__name__)
+
+# Score of exact-prefix tokens for the query-aware selections: below every other reusable token,
+# above the uncached ones (-inf inside the top-k), so a ratio of 1.0 still recomputes them all.
+_LAST_RESORT = -torch.finfo(torch.float32).max
 
 
 class KVLayerWriter(Protocol):
@@ -364,7 +369,7 @@ class LMCBlender:
         scores = SCORERS[selection](inputs)
         if self.score_reducer is not None:
             scores = self.score_reducer(scores)
-        scores = scores.masked_fill(meta.active < meta.exact_prefix, float("-inf"))
+        scores = scores.masked_fill(meta.active < meta.exact_prefix, _LAST_RESORT)
         count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
         return select_topk_with_invalid(scores, valid, count)
 
@@ -434,7 +439,7 @@ class LMCBlender:
     ) -> Generator[int, None, torch.Tensor]:
         """Every layer for ``meta``'s active tokens, yielding each finished layer id; returns the
         last layer's hidden states ``[N, hidden]``. ``query_mass`` (``[T]`` fp32), when given,
-        receives the attention mass from the query tokens at every layer."""
+        receives the value-weighted attention mass from the query tokens at every layer."""
         model = self.model
         hidden = model.embed(token_ids[meta.active.cpu()])  # all tokens unless a fixed selection
         for layer in range(model.num_layers):
@@ -444,9 +449,10 @@ class LMCBlender:
             positions = meta.positions[meta.active]
             if query_mass is not None:
                 rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
-                query_mass += query_attention_mass(
+                mass = query_attention_mass(
                     self.ops.gather_rows(q, rows), keys, positions[rows], model.attn_scale
                 )
+                query_mass += value_weighted(mass, values)
             attn = self.ops.attention_at_positions(q, keys, values, positions, model.attn_scale)
             hidden = hidden + model.attention_output(layer, attn)
             hidden = model.mlp_block(layer, hidden)
@@ -459,8 +465,9 @@ class LMCBlender:
         """``query_preview``: choose the recomputed tokens before the blend.
 
         The query tokens (and any uncached ones) run alone through every layer over the cached
-        K/V, as naive reuse computes them; the reusable tokens they attend to most, summed over
-        layers and heads, are recomputed in every layer of the blend that follows. ``meta`` is
+        K/V, as naive reuse computes them; the reusable tokens that contribute most to their
+        attention outputs (attention mass times value norm, summed over layers) are recomputed
+        in every layer of the blend that follows. ``meta`` is
         switched to that fixed selection in place and keeps the preview's re-rotated cached K/V
         (the blend would compute the same rows again) and its token-layers.
         """
@@ -482,7 +489,7 @@ class LMCBlender:
             pass
         if self.score_reducer is not None:
             mass = self.score_reducer(mass)
-        mass[: meta.exact_prefix] = float("-inf")
+        mass[: meta.exact_prefix] = _LAST_RESORT
         ratio = list(meta.schedule.values())[-1]
         count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
         chosen = torch.zeros_like(valid)
