@@ -26,6 +26,14 @@ logger = logging.getLogger(__name__)
 ENV_PREFIX = "LMCACHE_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 BACKEND_CHOICES = ("auto", "torch", "cuda", "ascend")
+# Token selectors (lmcache_backend.blend.selection.SCORERS); kv_deviation is LMCache's.
+SELECTION_CHOICES = (
+    "kv_deviation",
+    "kv_deviation_v",
+    "query_attention",
+    "query_kv_deviation",
+    "query_preview",
+)
 
 
 class ConfigError(ValueError):
@@ -130,6 +138,12 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "fraction of reusable tokens recomputed; one value, or one per check layer",
     ),
     ConfigKey("blend_check_layers", _parse_int_list, [1], "layers where tokens are selected"),
+    ConfigKey(
+        "blend_selection",
+        str,
+        "kv_deviation",
+        "how check layers choose tokens: " + ", ".join(SELECTION_CHOICES),
+    ),
     ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
     ConfigKey("backend", str, "auto", "op backend: auto, torch, cuda or ascend"),
     ConfigKey("use_layerwise", _parse_bool, True, "LMCache key; blending is always layerwise"),
@@ -180,6 +194,7 @@ class BlendConfig:
     blend_block_size: int = 16
     blend_recompute_ratios: list[float] = field(default_factory=lambda: [0.15])
     blend_check_layers: list[int] = field(default_factory=lambda: [1])
+    blend_selection: str = "kv_deviation"
     blend_min_tokens: int = 256
     backend: str = "auto"
     use_layerwise: bool = True
@@ -223,6 +238,12 @@ class BlendConfig:
                 "blend_recompute_ratios",
                 ratios,
                 f"give one ratio or one per check layer ({len(layers)} check layers: {layers})",
+            )
+        if self.blend_selection not in SELECTION_CHOICES:
+            raise self._fail(
+                "blend_selection",
+                self.blend_selection,
+                f"choose one of {', '.join(SELECTION_CHOICES)}",
             )
         if self.blend_min_tokens < 0:
             raise self._fail("blend_min_tokens", self.blend_min_tokens, "must be >= 0")

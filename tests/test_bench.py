@@ -11,7 +11,7 @@ import torch
 
 from lmcache_backend.bench import engines
 from lmcache_backend.bench.cli import add_arguments, strategies_from_args, sweep_points
-from lmcache_backend.bench.dataset import load_dataset, prompt_pair, sweep_example
+from lmcache_backend.bench.dataset import WARM_QUESTION, load_dataset, prompt_pair, sweep_example
 from lmcache_backend.bench.engines import (
     EngineUnavailable,
     common_prefix_length,
@@ -78,14 +78,14 @@ def test_dataset_errors_name_line_and_field(tmp_path, bad_line, field):
     assert field in str(err.value)
 
 
-def test_prompt_pair_reorders_the_chunks():
+def test_prompt_pair_reorders_the_chunks_and_warms_with_another_question():
     example = RagExample("e", "S", ["a", "b", "c"], "Q", ["x"])
 
     def build(system, chunks, question):
         return [ord(ch) for ch in system + "".join(chunks) + question]
 
     pair = prompt_pair(build, example, seed=0)
-    assert pair.warm_ids == [ord(c) for c in "SabcQ"]
+    assert pair.warm_ids == [ord(c) for c in "Sabc" + WARM_QUESTION]
     assert pair.asked_ids == [ord(c) for c in "SbcaQ"]
 
 
@@ -256,6 +256,7 @@ def test_summarize_pools_pairs_and_compares_with_naive():
     assert naive["ttft_ratio"] == pytest.approx(0.4)
     assert naive["speedup"] == pytest.approx(2.6666666, rel=1e-6)
     assert naive["accuracy"] == 0.5 and full["accuracy"] == 1.0
+    assert naive["accuracy_vs_full"] == 0.5 and full["accuracy_vs_full"] == 1.0
     assert naive["recomputed_frac"] == pytest.approx(0.1)
     assert naive["accuracy_recovered"] == 0.0 and full["accuracy_recovered"] == 1.0
     assert naive["kl_recovered"] == 0.0

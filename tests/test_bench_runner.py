@@ -126,7 +126,12 @@ def test_run_json_table_and_plots(tmp_path, dataset):
     printed = out.getvalue()
     assert "TTFT by context length" in printed and "TTFT by number of chunks" in printed
     pngs = sorted(p.name for p in (tmp_path / "p").glob("*.png"))
-    assert pngs == ["accuracy_vs_ratio.png", "ttft_vs_chunks.png", "ttft_vs_context_length.png"]
+    assert pngs == [
+        "accuracy_vs_ratio.png",
+        "frontier.png",
+        "ttft_vs_chunks.png",
+        "ttft_vs_context_length.png",
+    ]
 
 
 def test_bad_flags_stop_with_a_message(tmp_path, dataset):

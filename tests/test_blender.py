@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmcache_backend.blend import LMCBlender, LMCBlenderBuilder, SegmentCache
-from lmcache_backend.config import load_config
+from lmcache_backend.config import SELECTION_CHOICES, load_config
 from lmcache_backend.hf_engine import hf_full_prefill, kv_to_dynamic_cache
 from lmcache_backend.models.hf import HFModelAdapter
 from lmcache_backend.ops import get_ops
@@ -76,7 +76,7 @@ def _prompt(*parts: list[int]) -> list[int]:
     return out + parts[-1]
 
 
-def _setup(model, ratios=(0.15,), check_layers=(1,), min_tokens=0):
+def _setup(model, ratios=(0.15,), check_layers=(1,), min_tokens=0, selection="kv_deviation"):
     adapter = HFModelAdapter(model)
     store = MemoryTier("cpu", 1 << 30, "cpu")
     config = load_config(
@@ -85,6 +85,7 @@ def _setup(model, ratios=(0.15,), check_layers=(1,), min_tokens=0):
         blend_min_tokens=min_tokens,
         blend_recompute_ratios=list(ratios),
         blend_check_layers=list(check_layers),
+        blend_selection=selection,
     )
     blender = LMCBlender(store, None, config, adapter, SEP, get_ops("torch"))
     return blender, SegmentCache(store, adapter.fingerprint, SEP)
@@ -95,9 +96,10 @@ def _warm(model, cache: SegmentCache, tokens: list[int]) -> None:
     assert cache.store_segments(tokens, pre.keys, pre.values) > 0
 
 
-def test_ratio_one_equals_full_prefill(tiny) -> None:
+@pytest.mark.parametrize("selection", SELECTION_CHOICES)
+def test_ratio_one_equals_full_prefill(tiny, selection) -> None:
     _, model = tiny
-    blender, cache = _setup(model, ratios=(1.0,))
+    blender, cache = _setup(model, ratios=(1.0,), selection=selection)
     _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
     reordered = _prompt(SYS, C3, C1, C2, Q2)
     result = blender.blend(reordered)

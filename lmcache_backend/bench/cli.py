@@ -50,6 +50,18 @@ def _ratios(text: str) -> list[float]:
     return values
 
 
+def _selections(text: str) -> list[str]:
+    from lmcache_backend.config import SELECTION_CHOICES
+
+    if text.strip() == "all":
+        return list(SELECTION_CHOICES)
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    bad = [n for n in names if n not in SELECTION_CHOICES]
+    if bad or not names:
+        raise ValueError(f"unknown selection {bad}; choose from {', '.join(SELECTION_CHOICES)}")
+    return names
+
+
 def _schedule(text: str):
     return None if text.strip().lower() == "none" else parse_schedule(text)
 
@@ -65,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dataset",
         metavar="FILE.jsonl",
-        help="RAG examples, one JSON object a line (default: the built-in set)",
+        help="RAG examples, one JSON object a line; 'dev' for the shipped dev set "
+        "(default: the built-in set)",
     )
     parser.add_argument(
         "--limit",
@@ -94,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_arg(parse_ints),
         default=[1],
         help="check layers of those strategies; one ratio applies at each (default: 1)",
+    )
+    parser.add_argument(
+        "--selections",
+        type=_arg(_selections),
+        default=[None],
+        help="token selectors (blend_selection), one strategy set each, e.g. "
+        "kv_deviation,query_attention; 'all' for every one (default: the configured one)",
     )
     parser.add_argument(
         "--gradual",
@@ -154,6 +174,7 @@ def strategies_from_args(args: argparse.Namespace) -> list[Strategy]:
         schedules=[s for s in schedules if s is not None],
         epic_k=args.epic_k,
         prefix_block=args.prefix_block,
+        selections=args.selections,
     )
 
 

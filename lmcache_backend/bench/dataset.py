@@ -16,6 +16,12 @@ from lmcache_backend.examples import (
 )
 
 DEFAULT_COUNT = 12
+#: The question of the warm-up prompts. Real RAG questions are new: the asked question never
+#: comes from the cache (the query tail is never stored either), and warming with another
+#: question keeps engines with a prefix cache from holding it.
+WARM_QUESTION = "Summarize the documents in one sentence."
+#: ``--dataset dev``: the shipped, calibrated dev set (see :mod:`lmcache_backend.bench.devset`).
+DEV_DATASET = "dev"
 
 
 @dataclass(frozen=True)
@@ -24,8 +30,10 @@ class PromptPair:
 
     Attributes:
         example: the RAG example.
-        warm_ids: the prompt with the chunks in their original order (fills the caches).
-        asked_ids: the same prompt with the chunks reordered (the one every strategy answers).
+        warm_ids: the chunks in their original order with :data:`WARM_QUESTION` (fills the
+            caches).
+        asked_ids: the chunks reordered with the example's question (the one every strategy
+            answers).
     """
 
     example: RagExample
@@ -39,7 +47,8 @@ def _nonblank_line_numbers(path: str | Path) -> list[int]:
 
 
 def load_dataset(path: str | Path | None = None, count: int = DEFAULT_COUNT) -> list[RagExample]:
-    """The examples of a JSONL file, or ``count`` built-in ones when ``path`` is None.
+    """The examples of a JSONL file (``"dev"``: the shipped dev set), or ``count`` built-in
+    ones when ``path`` is None.
 
     Raises:
         DatasetError: a line is malformed (see :func:`lmcache_backend.examples.load_examples`),
@@ -48,6 +57,10 @@ def load_dataset(path: str | Path | None = None, count: int = DEFAULT_COUNT) -> 
     """
     if path is None:
         return builtin_examples(count=count)
+    if str(path) == DEV_DATASET:
+        from lmcache_backend.bench.devset import DEVSET_PATH
+
+        path = DEVSET_PATH
     examples = load_examples(path)
     lines = _nonblank_line_numbers(path)
     seen: dict[str, int] = {}
@@ -70,11 +83,12 @@ PromptBuilder = Callable[[str, Sequence[str], str], list[int]]
 
 
 def prompt_pair(build: PromptBuilder, example: RagExample, seed: int = 0) -> PromptPair:
-    """Token ids of ``example`` with its chunks in order and reordered (rotation by ``seed``).
+    """Token ids of ``example``: its chunks in order with :data:`WARM_QUESTION`, and reordered
+    (rotation by ``seed``) with its own question.
 
     ``build(system, chunks, question)`` makes a blend-ready prompt (an engine's ``prompt_ids``).
     """
-    warm = build(example.system, example.chunks, example.question)
+    warm = build(example.system, example.chunks, WARM_QUESTION)
     asked = build(example.system, reordered(example.chunks, seed), example.question)
     return PromptPair(example, list(warm), list(asked))
 

@@ -178,7 +178,7 @@ class HFEngine:
     def _blender(self, strategy: Strategy):
         from lmcache_backend.blend.blender import LMCBlender
 
-        key = (strategy.ratios, strategy.check_layers)
+        key = (strategy.ratios, strategy.check_layers, strategy.selection)
         if key not in self._blenders:
             core = self.core
             config = core.config
@@ -186,6 +186,7 @@ class HFEngine:
                 config = config.replace(
                     blend_recompute_ratios=list(strategy.ratios),
                     blend_check_layers=list(strategy.check_layers),
+                    blend_selection=strategy.selection or config.blend_selection,
                 )
             self._blenders[key] = LMCBlender(
                 core.store, None, config, core.adapter, core.separator, core.ops
@@ -391,10 +392,13 @@ class VLLMEngine:
     @staticmethod
     def _params(strategy: Strategy) -> dict:
         if strategy.kind == BLEND:
-            return {
+            params = {
                 "blend_recompute_ratios": list(strategy.ratios),
                 "blend_check_layers": list(strategy.check_layers),
             }
+            if strategy.selection:
+                params["blend_selection"] = strategy.selection
+            return params
         return {"blend": False}
 
     def reset(self) -> None:

@@ -70,6 +70,49 @@ def plot_quality(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     return path
 
 
+def plot_frontier(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Accuracy (share of full prefill's) and first-token KL against token-layers computed: one
+    line per selector through its single-ratio strategies, naive reuse, EPIC and gradual
+    schedules as points."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    full = rows[0]
+    by_selection: dict[str, list[dict[str, Any]]] = {}
+    points = []
+    for r in rows[1:]:
+        if r["kind"] == "blend" and len(r["ratios"]) == 1 and r["ratios"] != [0.0]:
+            by_selection.setdefault(r.get("selection") or "configured", []).append(r)
+        elif r["kind"] in ("blend", "epic"):
+            points.append(r)
+    for name, series in sorted(by_selection.items()):
+        series.sort(key=lambda r: r["token_layers_frac"])
+        xs = [100 * r["token_layers_frac"] for r in series]
+        ax1.plot(xs, [r.get("accuracy_vs_full") or 0.0 for r in series], "o-", label=name)
+        ax2.plot(xs, [r["kl"] for r in series], "o-", label=name)
+    for r in points:
+        x = 100 * r["token_layers_frac"]
+        ax1.plot(x, r.get("accuracy_vs_full") or 0.0, "x", ms=9, label=r["strategy"])
+        ax2.plot(x, r["kl"], "x", ms=9, label=r["strategy"])
+    ax1.axhline(1.0, label=f"{full['strategy']}", **_FULL_STYLE)
+    ax1.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+    ax1.axvline(25, color="grey", linestyle=":", linewidth=1)
+    ax1.set(xlabel="token-layers computed (%)", ylabel="accuracy / full prefill's", ylim=(0, 1.2))
+    ax2.set(xlabel="token-layers computed (%)", ylabel="first-token KL vs full (nats)")
+    ax2.axhline(0.05, color="grey", linestyle=":", linewidth=1)
+    ax2.set_ylim(bottom=0)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.set_xlim(0, 60)
+    ax1.legend(fontsize=7, loc="lower right")
+    ax1.set_title("accuracy frontier per selector")
+    ax2.set_title("first-token KL per selector")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_ttft(
     cases: list[dict[str, Any]],
     x_key: str,
@@ -121,6 +164,7 @@ def write_plots(result: dict[str, Any], folder: str | Path) -> list[Path]:
     paths = []
     if result["strategies"]:
         paths.append(plot_quality(result["strategies"], out / "accuracy_vs_ratio.png", title))
+        paths.append(plot_frontier(result["strategies"], out / "frontier.png", title))
     sweep = result.get("sweep")
     if sweep and sweep["by_length"]:
         paths.append(

@@ -22,6 +22,7 @@ def _strategy_fields(strategy: Strategy) -> dict[str, Any]:
         "check_layers": list(strategy.check_layers),
         "epic_k": strategy.epic_k,
         "prefix_block_size": strategy.block_size,
+        "selection": strategy.selection,
     }
 
 
@@ -64,6 +65,13 @@ def summarize(cases: Sequence[CaseResult], strategies: Sequence[Strategy]) -> li
         )
         rows.append(row)
     _add_vs_naive(rows)
+    for row in rows:
+        full_accuracy = rows[0]["accuracy"]
+        row["accuracy_vs_full"] = (
+            row["accuracy"] / full_accuracy
+            if row["accuracy"] is not None and full_accuracy
+            else None
+        )
     return rows
 
 
@@ -97,15 +105,16 @@ def _num(value: float | None, fmt: str) -> str:
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The per-strategy table printed after a run."""
     header = (
-        f"{'strategy':<26} {'TTFT ms':>8} {'vs full':>8} {'recomp':>7} {'tok-lay':>7} "
-        f"{'acc':>5} {'agree':>6} {'KL':>7} {'gap closed':>11} {'cache MiB':>9}"
+        f"{'strategy':<40} {'TTFT ms':>8} {'vs full':>8} {'recomp':>7} {'tok-lay':>7} "
+        f"{'acc':>5} {'acc/full':>8} {'agree':>6} {'KL':>7} {'gap closed':>11} {'cache MiB':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['strategy']:<26} {r['ttft_ms']:>8.0f} {r['ttft_ratio']:>7.2f}x "
+            f"{r['strategy']:<40} {r['ttft_ms']:>8.0f} {r['ttft_ratio']:>7.2f}x "
             f"{_pct(r['recomputed_frac']):>7} {_pct(r['token_layers_frac']):>7} "
-            f"{_pct(r['accuracy']):>5} {_pct(r['agreement']):>6} {r['kl']:>7.3f} "
+            f"{_pct(r['accuracy']):>5} {_pct(r['accuracy_vs_full']):>8} "
+            f"{_pct(r['agreement']):>6} {r['kl']:>7.3f} "
             f"{_pct(r['accuracy_recovered']) + ' / ' + _pct(r['kl_recovered']):>11} "
             f"{_num(None if r['cache_bytes'] is None else r['cache_bytes'] / _MIB, '.1f'):>9}"
         )
@@ -118,7 +127,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 LEGEND = (
     "TTFT ms: median over prompts of each prompt's median; vs full: median of per-round TTFT\n"
     "ratios to full prefill (lower is faster); recomp: prompt tokens computed in the last layer;\n"
-    "tok-lay: token-layers computed; acc: a gold answer is in the greedy answer; agree: same\n"
+    "tok-lay: token-layers computed; acc: a gold answer is in the greedy answer; acc/full:\n"
+    "acc as a share of full prefill's; agree: same\n"
     "greedy answer as full prefill; KL: first-token KL(full || strategy), mean; gap closed: share\n"
     "of naive reuse's loss won back, accuracy / KL; cache MiB: cached K/V the strategy draws on."
 )

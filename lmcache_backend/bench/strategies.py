@@ -24,6 +24,8 @@ class Strategy:
         check_layers: CacheBlend check layers, for ``blend``.
         epic_k: leading tokens of each chunk recomputed, for ``epic``.
         block_size: prefix-cache granularity in tokens, for ``prefix`` (1 = any token).
+        selection: CacheBlend token selector (``blend_selection``), for ``blend``; None: the
+            engine's configured one.
     """
 
     name: str
@@ -32,6 +34,7 @@ class Strategy:
     check_layers: tuple[int, ...] = ()
     epic_k: int = 0
     block_size: int = 1
+    selection: str | None = None
 
     @property
     def final_ratio(self) -> float | None:
@@ -78,8 +81,11 @@ def _fmt(values: Sequence[float | int]) -> str:
     return ",".join(f"{v:g}" for v in values)
 
 
-def blend_strategy(ratios: Sequence[float], check_layers: Sequence[int]) -> Strategy:
-    """CacheBlend with a schedule; ratio 0 everywhere is naive full reuse."""
+def blend_strategy(
+    ratios: Sequence[float], check_layers: Sequence[int], selection: str | None = None
+) -> Strategy:
+    """CacheBlend with a schedule (and a selector, when given); ratio 0 everywhere is naive
+    full reuse."""
     ratios, layers = tuple(ratios), tuple(check_layers)
     if all(r == 0 for r in ratios):
         return Strategy("naive reuse", BLEND, ratios=(0.0,), check_layers=layers[:1])
@@ -89,7 +95,9 @@ def blend_strategy(ratios: Sequence[float], check_layers: Sequence[int]) -> Stra
             name += f" L={_fmt(layers)}"
     else:
         name = f"CacheBlend r={_fmt(ratios)} L={_fmt(layers)}"
-    return Strategy(name, BLEND, ratios=ratios, check_layers=layers)
+    if selection:
+        name += f" {selection}"
+    return Strategy(name, BLEND, ratios=ratios, check_layers=layers, selection=selection)
 
 
 def build_strategies(
@@ -100,21 +108,24 @@ def build_strategies(
     prefix_block: int = 16,
     include_prefix: bool = True,
     include_naive: bool = True,
+    selections: Sequence[str | None] = (None,),
 ) -> list[Strategy]:
     """Full prefill first (every other strategy is compared with it), then prefix caching,
-    naive reuse, one CacheBlend strategy per ratio (the ratio applied at every check layer), one
-    per explicit schedule (gradual filtering), and EPIC when ``epic_k`` > 0."""
+    naive reuse, one CacheBlend strategy per selector and ratio (the ratio applied at every check
+    layer), one per selector and explicit schedule (gradual filtering), and EPIC when
+    ``epic_k`` > 0. A selector of None is the engine's configured one."""
     out = [Strategy("full prefill", FULL)]
     if include_prefix:
         out.append(Strategy("prefix caching", PREFIX, block_size=max(1, prefix_block)))
     if include_naive:
         out.append(blend_strategy([0.0], check_layers))
-    for ratio in ratios:
-        if ratio == 0 and include_naive:
-            continue  # already there
-        out.append(blend_strategy([ratio], check_layers))
-    for layers, schedule_ratios in schedules:
-        out.append(blend_strategy(schedule_ratios, layers))
+    for selection in selections:
+        for ratio in ratios:
+            if ratio == 0 and include_naive:
+                continue  # already there
+            out.append(blend_strategy([ratio], check_layers, selection))
+        for layers, schedule_ratios in schedules:
+            out.append(blend_strategy(schedule_ratios, layers, selection))
     if epic_k > 0:
         out.append(Strategy(f"EPIC k={epic_k}", EPIC, epic_k=epic_k))
     names = [s.name for s in out]

@@ -19,16 +19,24 @@ attention span) the same loop runs with every token active: a full prefill, logg
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from lmcache_backend.blend.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
+from lmcache_backend.blend.selection import (
+    NEEDS_QUERY_ATTENTION,
+    QUERY_PREVIEW,
+    SCORERS,
+    CheckInputs,
+    query_attention_mass,
+)
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.models.base import ModelAdapter
 from lmcache_backend.ops import Ops, get_ops
+from lmcache_backend.ops.reference import select_topk_with_invalid, selection_count
 from lmcache_backend.store import SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -52,6 +60,16 @@ class BlendMetadata:
         valid_mask: ``[T]`` bool: the token's cached K/V is reused.
         num_reusable: number of valid tokens; every check layer's ratio applies to it.
         schedule: check layer -> ratio.
+        query_start: index of the first query token: the tokens after the last reusable one
+            (the question and the assistant header), always computed.
+        exact_prefix: leading tokens whose cached K/V is exactly what a full prefill computes
+            (a segment stored at position 0, or the engine's own prefix-cache hit): never worth
+            recomputing, so the query-aware selections skip them (they attract much of the
+            attention mass as the attention sink).
+        query_attention: ``[T]`` fp32 attention mass from the query tokens accumulated over the
+            layers up to the last check layer, for the query-aware selections; else None.
+        preloaded: per layer ``([T, Hkv, D], [T, Hkv, D])`` cached K/V already retrieved and
+            re-rotated (by a ``query_preview`` pass), used instead of retrieving again.
         task: the retrieval, or None when nothing is reused.
         cached_prefix: per-layer ``[P, Hkv, D]`` K and V of tokens ``0..P-1`` that were
             computed at their current positions (e.g. already in the engine's paged cache).
@@ -66,6 +84,10 @@ class BlendMetadata:
     num_reusable: int
     schedule: dict[int, float]
     task: SPTBlendRetrieverTask | None
+    query_start: int = 0
+    exact_prefix: int = 0
+    query_attention: torch.Tensor | None = None
+    preloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
@@ -122,6 +144,8 @@ class LMCBlender:
             :func:`lmcache_backend.blend.segmenting.separator_pattern`), or separator token ids
             matched as they are.
         ops: op set; defaults to ``get_ops(config.backend)``.
+        score_reducer: applied to each check layer's ``[N]`` token scores before choosing, e.g.
+            a sum over tensor-parallel ranks so every rank keeps the same tokens (default: none).
     """
 
     def __init__(
@@ -132,8 +156,10 @@ class LMCBlender:
         model: ModelAdapter,
         separator: Sequence[int],
         ops: Ops | None = None,
+        score_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         config.validate_for_model(model.num_layers)
+        self.score_reducer = score_reducer
         self.cache_engine = cache_engine
         self.gpu_connector = gpu_connector
         self.config = config
@@ -205,16 +231,36 @@ class LMCBlender:
             chosen[-1] = True
             active = torch.nonzero(chosen, as_tuple=False).flatten()
             schedule = {}
+        reusable_at = torch.nonzero(valid, as_tuple=False).flatten()
+        query_start = int(reusable_at[-1]) + 1 if reusable_at.numel() else 0
+        exact_prefix = self._exact_prefix(task, cached_prefix)
         return BlendMetadata(
             positions=torch.arange(num_tokens, device=device),
             active=active.to(device),
             valid_mask=valid.to(device),
             num_reusable=num_reusable,
             schedule=schedule,
+            query_start=query_start,
+            exact_prefix=exact_prefix if num_reusable else 0,
             task=task if num_reusable else None,
             cached_prefix=cached_prefix if num_reusable else None,
             fallback_reason=reason,
         )
+
+    @staticmethod
+    def _exact_prefix(
+        task: SPTBlendRetrieverTask,
+        cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None,
+    ) -> int:
+        """Leading tokens whose cached K/V needs no recomputation: the engine's prefix-cache hit,
+        or a first segment stored at position 0 (nothing precedes it in either prompt)."""
+        exact = (
+            cached_prefix[0][0].shape[0] if cached_prefix is not None and cached_prefix[0] else 0
+        )
+        for start, kv in task.hits:
+            if start == 0 and kv.start_position == 0:
+                exact = max(exact, kv.num_tokens)
+        return exact
 
     # -- one layer ------------------------------------------------------------------------
 
@@ -222,6 +268,8 @@ class LMCBlender:
         self, layer_id: int, meta: BlendMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Retrieved ``[T, Hkv, D]`` K/V of ``layer_id``, keys re-rotated to the new positions."""
+        if meta.preloaded is not None:
+            return meta.preloaded[layer_id]
         model, num_tokens = self.model, meta.positions.numel()
         res = meta.task.result(layer_id)
         original = res.original_positions
@@ -253,6 +301,72 @@ class LMCBlender:
             )
             self.ops.scatter_rows(keys, moved, rows)
         return keys, values
+
+    def _accumulate_query_attention(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        keys: torch.Tensor,
+        meta: BlendMetadata,
+    ) -> None:
+        """Add this layer's attention mass from the query tokens to ``meta.query_attention``.
+
+        Runs up to the last check layer only. Before the first check layer every token is fresh
+        (``k`` holds them all); at a later check layer the keys are the cached rows with the
+        active tokens' fresh rows in.
+        """
+        if layer_id > max(meta.schedule):
+            return
+        num_tokens = meta.positions.numel()
+        query_rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
+        if query_rows.numel() == 0:
+            return
+        if meta.active.numel() == num_tokens:
+            current = k
+        else:
+            current = keys.clone()
+            self.ops.scatter_rows(current, meta.active, k)
+        mass = query_attention_mass(
+            self.ops.gather_rows(q, query_rows),
+            current,
+            meta.positions[meta.active[query_rows]],
+            self.model.attn_scale,
+        )
+        meta.query_attention = mass if meta.query_attention is None else meta.query_attention + mass
+
+    def _select(
+        self,
+        layer_id: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        meta: BlendMetadata,
+    ) -> torch.Tensor:
+        """Rows of the active tokens a check layer keeps (sorted ``[M]`` int64), before the last
+        token is added."""
+        ratio, selection = meta.schedule[layer_id], self.config.blend_selection
+        cached_k = self.ops.gather_rows(keys, meta.active)
+        valid = meta.valid_mask[meta.active]
+        if selection == "kv_deviation":  # LMCache's selection, on the backend's fused op
+            return self.ops.kv_deviation_topk(k, cached_k, valid, ratio, meta.num_reusable)
+        inputs = CheckInputs(
+            k_fresh=k,
+            v_fresh=v,
+            k_cached=cached_k,
+            v_cached=self.ops.gather_rows(values, meta.active),
+            valid=valid,
+            query_attention=None
+            if meta.query_attention is None
+            else meta.query_attention[meta.active],
+        )
+        scores = SCORERS[selection](inputs)
+        if self.score_reducer is not None:
+            scores = self.score_reducer(scores)
+        scores = scores.masked_fill(meta.active < meta.exact_prefix, float("-inf"))
+        count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
+        return select_topk_with_invalid(scores, valid, count)
 
     def process_qkv(
         self,
@@ -290,14 +404,10 @@ class LMCBlender:
             keys, values = k, v
         else:  # pragma: no cover - a subset is active only after a check layer with a task
             raise AssertionError("active subset without cached K/V")
+        if self.config.blend_selection in NEEDS_QUERY_ATTENTION and meta.schedule:
+            self._accumulate_query_attention(layer_id, q, k, keys, meta)
         if is_check:
-            keep = self.ops.kv_deviation_topk(
-                k,
-                self.ops.gather_rows(keys, meta.active),
-                meta.valid_mask[meta.active],
-                meta.schedule[layer_id],
-                meta.num_reusable,
-            )
+            keep = self._select(layer_id, k, v, keys, values, meta)
             last = meta.active.numel() - 1
             if keep.numel() == 0 or int(keep[-1]) != last:  # the last token always stays
                 keep = torch.cat([keep, torch.tensor([last], device=keep.device)])
@@ -315,6 +425,74 @@ class LMCBlender:
 
     # -- whole request --------------------------------------------------------------------
 
+    def _run_layers(
+        self,
+        meta: BlendMetadata,
+        token_ids: torch.Tensor,
+        writer: KVLayerWriter | None,
+        query_mass: torch.Tensor | None = None,
+    ) -> Generator[int, None, torch.Tensor]:
+        """Every layer for ``meta``'s active tokens, yielding each finished layer id; returns the
+        last layer's hidden states ``[N, hidden]``. ``query_mass`` (``[T]`` fp32), when given,
+        receives the attention mass from the query tokens at every layer."""
+        model = self.model
+        hidden = model.embed(token_ids[meta.active.cpu()])  # all tokens unless a fixed selection
+        for layer in range(model.num_layers):
+            x = model.attention_input(layer, hidden)
+            q, k, v = model.qkv(layer, x, meta.positions[meta.active])
+            q, keys, values, hidden, _, meta = self.process_qkv(q, k, v, hidden, layer, None, meta)
+            positions = meta.positions[meta.active]
+            if query_mass is not None:
+                rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
+                query_mass += query_attention_mass(
+                    self.ops.gather_rows(q, rows), keys, positions[rows], model.attn_scale
+                )
+            attn = self.ops.attention_at_positions(q, keys, values, positions, model.attn_scale)
+            hidden = hidden + model.attention_output(layer, attn)
+            hidden = model.mlp_block(layer, hidden)
+            if writer is not None:
+                writer.write_layer(layer, keys, values)
+            yield layer
+        return hidden
+
+    def _preview_selection(self, meta: BlendMetadata, token_ids: torch.Tensor) -> None:
+        """``query_preview``: choose the recomputed tokens before the blend.
+
+        The query tokens (and any uncached ones) run alone through every layer over the cached
+        K/V, as naive reuse computes them; the reusable tokens they attend to most, summed over
+        layers and heads, are recomputed in every layer of the blend that follows. ``meta`` is
+        switched to that fixed selection in place and keeps the preview's re-rotated cached K/V
+        (the blend would compute the same rows again) and its token-layers.
+        """
+        valid = meta.valid_mask
+        preview_rows = ~valid
+        preview_rows[-1] = True
+        preview = BlendMetadata(
+            positions=meta.positions,
+            active=torch.nonzero(preview_rows, as_tuple=False).flatten(),
+            valid_mask=valid,
+            num_reusable=meta.num_reusable,
+            schedule={},
+            task=meta.task,
+            query_start=meta.query_start,
+            cached_prefix=meta.cached_prefix,
+        )
+        mass = torch.zeros(meta.positions.numel(), dtype=torch.float32, device=valid.device)
+        for _ in self._run_layers(preview, token_ids, None, mass):
+            pass
+        if self.score_reducer is not None:
+            mass = self.score_reducer(mass)
+        mass[: meta.exact_prefix] = float("-inf")
+        ratio = list(meta.schedule.values())[-1]
+        count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
+        chosen = torch.zeros_like(valid)
+        chosen[select_topk_with_invalid(mass, valid, count)] = True
+        chosen[-1] = True
+        meta.active = torch.nonzero(chosen, as_tuple=False).flatten()
+        meta.schedule = {}
+        meta.preloaded = list(zip(preview.keys, preview.values))
+        meta.token_layers = preview.token_layers
+
     @torch.no_grad()
     def blend_layer(
         self,
@@ -325,24 +503,13 @@ class LMCBlender:
         """Run the request layer by layer, yielding each finished layer id; the generator's
         return value (``StopIteration.value``) is the :class:`BlendResult`. ``request`` takes
         :meth:`start_request`'s keyword arguments (``cached_prefix``, ``recompute``)."""
-        model = self.model
         meta = self.start_request(tokens, mask, **request)
         token_ids = torch.as_tensor(tokens, dtype=torch.int64)
-        hidden = model.embed(token_ids[meta.active.cpu()])  # all tokens unless a fixed selection
-        for layer in range(model.num_layers):
-            x = model.attention_input(layer, hidden)
-            q, k, v = model.qkv(layer, x, meta.positions[meta.active])
-            q, keys, values, hidden, _, meta = self.process_qkv(q, k, v, hidden, layer, None, meta)
-            attn = self.ops.attention_at_positions(
-                q, keys, values, meta.positions[meta.active], model.attn_scale
-            )
-            hidden = hidden + model.attention_output(layer, attn)
-            hidden = model.mlp_block(layer, hidden)
-            if self.gpu_connector is not None:
-                self.gpu_connector.write_layer(layer, keys, values)
-            yield layer
+        if self.config.blend_selection == QUERY_PREVIEW and meta.schedule:
+            self._preview_selection(meta, token_ids)
+        hidden = yield from self._run_layers(meta, token_ids, self.gpu_connector)
         return BlendResult(
-            logits=model.logits(hidden[-1:])[0],
+            logits=self.model.logits(hidden[-1:])[0],
             keys=meta.keys,
             values=meta.values,
             valid_mask=meta.valid_mask.cpu(),

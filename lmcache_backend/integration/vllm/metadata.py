@@ -16,6 +16,7 @@ class LoadSpec:
         prefix_len: tokens ``0..prefix_len-1`` already hold vLLM's own K/V (prefix-cache hit).
         end: the connector provides tokens ``prefix_len..end-1``; vLLM computes the rest.
         recompute_ratios, check_layers: this request's schedule (None: the engine's).
+        selection: this request's token selector (None: the engine's).
     """
 
     req_id: str
@@ -25,6 +26,7 @@ class LoadSpec:
     end: int
     recompute_ratios: list[float] | None = None
     check_layers: list[int] | None = None
+    selection: str | None = None
 
 
 @dataclass

@@ -31,6 +31,7 @@ class _Claim:
     reusable: int
     ratios: list[float] | None
     layers: list[int] | None
+    selection: str | None
 
 
 @dataclass
@@ -111,14 +112,14 @@ class SchedulerSide:
             )
             return 0
         claim = end - num_computed_tokens
+        own = config is not self.settings.config  # the request overrides the engine's settings
         self._claims[rid] = _Claim(
             prefix_len=num_computed_tokens,
             end=end,
             reusable=reusable,
-            ratios=list(config.blend_recompute_ratios)
-            if config is not self.settings.config
-            else None,
-            layers=list(config.blend_check_layers) if config is not self.settings.config else None,
+            ratios=list(config.blend_recompute_ratios) if own else None,
+            layers=list(config.blend_check_layers) if own else None,
+            selection=config.blend_selection if own else None,
         )
         self.stats.claimed_requests += 1
         self.stats.claimed_tokens += claim
@@ -181,6 +182,7 @@ class SchedulerSide:
                     claim.end,
                     claim.ratios,
                     claim.layers,
+                    claim.selection,
                 )
             )
         if num_computed + scheduled.get(rid, 0) >= len(tracked.token_ids):

@@ -2,7 +2,8 @@
 
 Sources: ``LMCACHE_CONFIG_FILE`` / ``LMCACHE_*`` environment variables, then vLLM's
 ``kv_connector_extra_config`` on top. Per request, ``kv_transfer_params`` may carry
-``{"blend": false}`` (no reuse for this request) or ``{"blend_recompute_ratios": [...]}``.
+``{"blend": false}`` (no reuse for this request), ``{"blend_recompute_ratios": [...]}``,
+``{"blend_check_layers": [...]}`` or ``{"blend_selection": "..."}``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from lmcache_backend.config import BlendConfig, ConfigError, load_config
 
 logger = logging.getLogger(__name__)
 
+#: Blend settings a request may override through ``kv_transfer_params``.
+REQUEST_KEYS = ("blend_recompute_ratios", "blend_check_layers", "blend_selection")
+
 #: ``kv_connector_extra_config`` keys that belong to vLLM's side, not to :class:`BlendConfig`.
-CONNECTOR_KEYS = ("instance_id", "stats_file", "allow_untested_versions")
+CONNECTOR_KEYS = ("instance_id", "stats_file", "allow_untested_versions", "verify_on_start")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class ConnectorSettings:
             is empty, blocks of ``blend_block_size`` tokens found at any offset.
         stats_file: optional JSON-lines file receiving one record per blended request.
         allow_untested_versions: run on a vLLM release outside the matrix.
+        verify_on_start: run ``lmcache-backend verify``'s model checks once when the worker is
+            ready and log the result (see :mod:`lmcache_backend.verify`).
     """
 
     config: BlendConfig
@@ -42,6 +48,7 @@ class ConnectorSettings:
     separator: SegmentPattern
     stats_file: str | None
     allow_untested_versions: bool
+    verify_on_start: bool = False
 
     def rank_instance(self, rank: int) -> str:
         """Index id of one rank (the same on the scheduler and on that rank's worker)."""
@@ -88,7 +95,19 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         separator=separator,
         stats_file=own.get("stats_file"),
         allow_untested_versions=bool(own.get("allow_untested_versions", False)),
+        verify_on_start=_flag("verify_on_start", own.get("verify_on_start", False)),
     )
+
+
+def _flag(key: str, value: Any) -> bool:
+    """A boolean connector key: a bool or one of true/false, yes/no, on/off, 1/0."""
+    words = {"1": True, "true": True, "yes": True, "on": True}
+    words.update({"0": False, "false": False, "no": False, "off": False})
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in words:
+        return words[value.strip().lower()]
+    raise ConfigError(f"{key}={value!r}: expected true or false")
 
 
 def request_config(config: BlendConfig, params: dict | None) -> BlendConfig | None:
@@ -102,9 +121,7 @@ def request_config(config: BlendConfig, params: dict | None) -> BlendConfig | No
         return config
     if params.get("blend") is False:
         return None
-    changes = {
-        k: params[k] for k in ("blend_recompute_ratios", "blend_check_layers") if k in params
-    }
+    changes = {k: params[k] for k in REQUEST_KEYS if k in params}
     if not changes:
         return config
     try:

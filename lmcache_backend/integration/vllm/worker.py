@@ -13,6 +13,7 @@ paged cache and their segments stored (those the store lacks), whichever path co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -58,23 +59,127 @@ class BlendRecord:
     token_layer_fraction: float
     fallback_reason: str | None
     blend_ms: float
+    #: digest of the recomputed token indices (tensor-parallel ranks must agree on it)
+    selected_digest: str = ""
+    #: layers whose attention ran through vLLM's own paged attention op
+    vllm_attention_layers: int = 0
 
 
 class _PagedWriter:
-    """The blender's per-layer sink: writes the claimed rows of each finished layer."""
+    """The blender's per-layer sink: writes the claimed rows of each finished layer.
 
-    def __init__(self, layout: PagedLayout, caches: list[torch.Tensor]) -> None:
-        self.layout, self.caches = layout, caches
+    With ``attention`` (vLLM's own paged attention op, see :class:`_CpuPagedAttention`) it also
+    serves the blender's attention when the queries are the request's last tokens (a full
+    prefill, ratio 1.0, or the layers before the first check layer): the layer's K/V go into the
+    paged cache first and vLLM's kernel computes exactly what vLLM's own prefill computes.
+    """
+
+    def __init__(
+        self, layout: PagedLayout, caches: list[torch.Tensor], attention: Any = None
+    ) -> None:
+        self.layout, self.caches, self.attention = layout, caches, attention
         self.slots = torch.empty(0, dtype=torch.int64)
         self.start = self.stop = 0
+        self.block_ids: list[int] | None = None
+        self.all_slots: torch.Tensor | None = None
+        self.num_tokens = 0
+        self.layer = 0
+        self.paged_layers = 0  # layers of the current request served by ``attention``
 
-    def target(self, slots: torch.Tensor, start: int, stop: int) -> None:
+    def target(
+        self,
+        slots: torch.Tensor,
+        start: int,
+        stop: int,
+        block_ids: list[int] | None = None,
+        all_slots: torch.Tensor | None = None,
+        num_tokens: int = 0,
+    ) -> None:
         self.slots, self.start, self.stop = slots, start, stop
+        self.block_ids, self.all_slots, self.num_tokens = block_ids, all_slots, num_tokens
+        self.layer = self.paged_layers = 0
 
     def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.stop > self.start:
             rows = slice(self.start, self.stop)
             self.layout.write(self.caches[layer_id], keys[rows], values[rows], self.slots)
+        self.layer = layer_id + 1
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        q_positions: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """vLLM's attention for queries that are the last ``Nq`` tokens; None otherwise."""
+        n, nq = keys.shape[0], q.shape[0]
+        if self.attention is None or self.all_slots is None or n != self.num_tokens or nq == 0:
+            return None
+        first = n - nq
+        # positions are sorted and distinct: the last Nq tokens iff they span first..n-1
+        if int(q_positions[0]) != first or int(q_positions[-1]) != n - 1:
+            return None
+        rows = slice(self.start, n)  # vLLM's prefix-cache rows are in place already
+        self.layout.write(
+            self.caches[self.layer], keys[rows], values[rows], self.all_slots[self.start : n]
+        )
+        self.paged_layers += 1
+        return self.attention(self.caches[self.layer], q, first, n, self.block_ids, scale)
+
+
+class _CpuPagedAttention:
+    """vLLM's CPU attention op (``cpu_attention_with_kv_cache``) for one request whose queries
+    are its tokens ``first..n-1``, over the paged cache: the call vLLM's own prefill makes."""
+
+    def __init__(self, isa: str, block_size: int) -> None:
+        from vllm import _custom_ops as vllm_ops
+
+        self._ops, self._isa, self._block_size = vllm_ops, isa, block_size
+
+    def __call__(self, cache, q, first, n, block_ids, scale) -> torch.Tensor:
+        import vllm.envs as envs
+
+        num_blocks, num_kv_heads, block_size, _ = cache.shape
+        kv = cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
+        key_cache, value_cache = kv.chunk(2, dim=2)
+        nq, num_heads, head_dim = q.shape
+        query_start_loc = torch.tensor([0, nq], dtype=torch.int32)
+        seq_lens = torch.tensor([n], dtype=torch.int32)
+        blocks = -(-n // block_size)
+        block_table = torch.tensor([list(block_ids[:blocks])], dtype=torch.int32)
+        metadata = self._ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            seq_lens=seq_lens,
+            dtype=q.dtype,
+            query_start_loc=query_start_loc,
+            causal=True,
+            sliding_window_size=-1,
+            isa=self._isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        )
+        out = torch.empty_like(q)
+        self._ops.cpu_attention_with_kv_cache(
+            query=q.to(cache.dtype).contiguous(),
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=out,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            scale=scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=block_table,
+            softcap=0,
+            scheduler_metadata=metadata,
+            s_aux=None,
+        )
+        return out
 
 
 def _tp_consistent_ops(ops: Ops) -> Ops:
@@ -95,6 +200,13 @@ def _tp_consistent_ops(ops: Ops) -> Ops:
         return kv_deviation_topk(root, torch.zeros_like(root), valid_mask, ratio, num_reusable)
 
     return replace(ops, kv_deviation_topk=topk)
+
+
+def _tp_sum(scores: torch.Tensor) -> torch.Tensor:
+    """Token scores summed over tensor-parallel ranks (each rank sees only its heads)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().all_reduce(scores.float().contiguous())
 
 
 class WorkerSide:
@@ -144,8 +256,9 @@ class WorkerSide:
             raise RuntimeError(
                 f"CacheBlend: {len(self.caches)} KV caches for {self.model.num_layers} layers"
             )
+        self._check_rerotation()
         self.layout = self._make_layout()
-        self._writer = _PagedWriter(self.layout, self.caches)
+        self._writer = _PagedWriter(self.layout, self.caches, self._make_attention())
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self.settings.tp_size > 1 else 0
@@ -166,6 +279,43 @@ class WorkerSide:
             type(self.layout).__name__,
             self._ops().name,
         )
+        if self.settings.verify_on_start:
+            self._verify_on_start()
+
+    def _probe_tokens(self) -> list[int]:
+        vocab = int(self.vllm_config.model_config.get_vocab_size())
+        return [(100 + 37 * i) % max(vocab, 1) for i in range(96)]
+
+    def _check_rerotation(self) -> None:
+        """Refuse to start when re-rotated cached keys would not equal fresh keys: the model's
+        positional encoding is not what the re-rotation assumes."""
+        from lmcache_backend.verify import REROTATION_TOLERANCE, rerotation_error
+
+        err = rerotation_error(self.model, self._probe_tokens())
+        limit = REROTATION_TOLERANCE.get(self.model.dtype, REROTATION_TOLERANCE[torch.bfloat16])
+        if not err <= limit:
+            raise RuntimeError(
+                f"CacheBlend cannot serve {type(self.model.model).__name__}: cached keys "
+                f"re-rotated to new positions differ from keys computed there (relative error "
+                f"{err:.2e} > {limit:.0e}); serve this model without the CacheBlend connector"
+            )
+
+    def _verify_on_start(self) -> None:
+        """``verify_on_start``: the model checks of ``lmcache-backend verify``, logged once."""
+        from transformers import AutoTokenizer
+
+        from lmcache_backend import verify
+
+        mc = self.vllm_config.model_config
+        tok = AutoTokenizer.from_pretrained(
+            str(mc.tokenizer), trust_remote_code=bool(mc.trust_remote_code)
+        )
+        prompts = verify.builtin_prompts(tok, 2, self.settings.config.blend_special_str)
+        checks = verify.adapter_checks(
+            self.model, self.settings.separator, prompts, self.settings.config, ops=self._ops()
+        )
+        text = verify.format_checks("CacheBlend start-up verification", checks)
+        (logger.info if verify.checks_passed(checks) else logger.warning)("%s", text)
 
     def _make_layout(self) -> PagedLayout:
         from vllm.platforms import current_platform
@@ -188,9 +338,33 @@ class WorkerSide:
         k_cache, _ = FlashLayout.split(cache)
         return FlashLayout(int(k_cache.shape[1]), self._ops())
 
+    def _make_attention(self) -> Any:
+        """vLLM's own attention op where this package can call it (CPU, one block size)."""
+        if not isinstance(self.layout, CpuLayout) or self.model.max_exact_tokens is not None:
+            return None
+        if int(self.caches[0].shape[2]) != self.block_size:
+            return None
+        layer = self.vllm_config.compilation_config.static_forward_context[self.layer_names[0]]
+        try:
+            return _CpuPagedAttention(str(layer.isa), self.block_size)
+        except (ImportError, AttributeError) as exc:  # pragma: no cover - other vLLM builds
+            logger.info("CacheBlend: vLLM's CPU attention op unavailable (%s)", exc)
+            return None
+
     def _ops(self) -> Ops:
+        from dataclasses import replace
+
         ops = get_ops(self.settings.config.backend)
-        return _tp_consistent_ops(ops) if self.settings.tp_size > 1 else ops
+        ops = _tp_consistent_ops(ops) if self.settings.tp_size > 1 else ops
+        writer, reference = self._writer, ops.attention_at_positions
+        if writer is None or writer.attention is None:
+            return ops
+
+        def attention(q, k, v, q_positions, scale):
+            out = writer.paged_attention(q, k, v, q_positions, scale)
+            return reference(q, k, v, q_positions, scale) if out is None else out
+
+        return replace(ops, attention_at_positions=attention)
 
     def _blender(self, spec: LoadSpec) -> LMCBlender:
         config: BlendConfig = self.settings.config
@@ -199,11 +373,19 @@ class WorkerSide:
             changes["blend_recompute_ratios"] = spec.recompute_ratios
         if spec.check_layers is not None:
             changes["blend_check_layers"] = spec.check_layers
-        key = tuple(sorted((k, tuple(v)) for k, v in changes.items()))
+        if spec.selection is not None:
+            changes["blend_selection"] = spec.selection
+        key = tuple(sorted((k, str(v)) for k, v in changes.items()))
         if key not in self._blenders:
             cfg = config.replace(**changes) if changes else config
             self._blenders[key] = LMCBlender(
-                self.store, self._writer, cfg, self.model, self.settings.separator, self._ops()
+                self.store,
+                self._writer,
+                cfg,
+                self.model,
+                self.settings.separator,
+                self._ops(),
+                score_reducer=_tp_sum if self.settings.tp_size > 1 else None,
             )
         return self._blenders[key]
 
@@ -224,8 +406,20 @@ class WorkerSide:
         started = time.perf_counter()
         slots = slots_for(spec.block_ids, self.block_size, 0, spec.end)
         prefix = self._read_all_layers(slots[: spec.prefix_len]) if spec.prefix_len else None
-        self._writer.target(slots[spec.prefix_len :], spec.prefix_len, spec.end)
+        n = len(spec.token_ids)
+        all_slots = None
+        if len(spec.block_ids) * self.block_size >= n:
+            all_slots = slots_for(spec.block_ids, self.block_size, 0, n)
+        self._writer.target(
+            slots[spec.prefix_len :],
+            spec.prefix_len,
+            spec.end,
+            block_ids=list(spec.block_ids),
+            all_slots=all_slots,
+            num_tokens=n,
+        )
         result = self._blender(spec).blend(spec.token_ids, cached_prefix=prefix)
+        paged_layers = self._writer.paged_layers
         self._writer.target(torch.empty(0, dtype=torch.int64), 0, 0)
         reused = result.valid_mask.clone()
         reused[: spec.prefix_len] = False
@@ -233,7 +427,7 @@ class WorkerSide:
             self._reused[spec.req_id] = reused
             while len(self._reused) > 4096:  # requests aborted before their save
                 self._reused.pop(next(iter(self._reused)))
-        n, layers = len(spec.token_ids), self.model.num_layers
+        layers = self.model.num_layers
         record = BlendRecord(
             req_id=spec.req_id,
             num_tokens=n,
@@ -245,6 +439,10 @@ class WorkerSide:
             token_layer_fraction=result.token_layers / (n * layers),
             fallback_reason=result.fallback_reason,
             blend_ms=(time.perf_counter() - started) * 1000.0,
+            selected_digest=hashlib.sha256(
+                result.recomputed.to(torch.int64).numpy().tobytes()
+            ).hexdigest()[:16],
+            vllm_attention_layers=paged_layers,
         )
         self._report(record)
         return record

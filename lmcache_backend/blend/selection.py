@@ -1,0 +1,128 @@
+"""Token selectors: which reusable tokens a check layer recomputes.
+
+A selector scores every active token from what the blender knows at a check layer; the blender
+keeps the ``ratio * num_reusable`` valid tokens with the highest scores, plus every uncached token
+(the query, new chunks) and the last token. ``blend_selection`` (``LMCACHE_BLEND_SELECTION``)
+names the selector:
+
+``kv_deviation``
+    LMCache's CacheBlend: ``||k_fresh - k_cached||^2`` at the check layer. Runs the ops
+    backend's fused ``kv_deviation_topk``.
+``kv_deviation_v``
+    The same with the values' deviation added, each normalised by its mean over the valid tokens
+    (K and V have different scales).
+``query_attention``
+    How much the query (the tokens after the last reusable one: the question and the assistant
+    header) attends to each token, summed over heads, query tokens and every layer up to the check
+    layer (layers the blender computes for every token, so these are full-prefill attentions).
+    Tokens the question reads are recomputed whether or not their cached K/V drifted.
+``query_kv_deviation``
+    The product of the two: tokens whose cached K/V drifted *and* that the question reads.
+``query_preview``
+    No check layer: a preview pass runs the query tokens alone through every layer over the
+    cached K/V (what naive reuse computes), and the reusable tokens they attend to most, summed
+    over all layers and heads, are recomputed in every layer of the blend (the final ratio of
+    ``blend_recompute_ratios``; ``blend_check_layers`` is not used). The preview costs the query's
+    tokens times the layers; its re-rotated cached K/V serve the blend.
+
+Scores are per token ``[N]`` fp32; with tensor parallelism each rank sees only its heads, so the
+blender sums scores over ranks (``score_reducer``) before choosing, and every rank keeps the same
+tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lmcache_backend.ops.reference import token_deviation
+
+#: The selection that previews the query over the cached K/V instead of checking a layer.
+QUERY_PREVIEW = "query_preview"
+
+#: Selections that need the query's attention at the layers before (and at) the check layer.
+NEEDS_QUERY_ATTENTION = frozenset({"query_attention", "query_kv_deviation"})
+
+
+@dataclass
+class CheckInputs:
+    """What a selector sees at a check layer, for the ``N`` tokens still active.
+
+    Attributes:
+        k_fresh, v_fresh: ``[N, Hkv, D]`` computed at this layer.
+        k_cached, v_cached: ``[N, Hkv, D]`` cached rows (keys re-rotated to the new positions).
+        valid: ``[N]`` bool, True where the cached row is reused.
+        query_attention: ``[N]`` fp32 attention mass from the query tokens, summed over heads
+            and layers so far; None unless the selection needs it.
+    """
+
+    k_fresh: torch.Tensor
+    v_fresh: torch.Tensor
+    k_cached: torch.Tensor
+    v_cached: torch.Tensor
+    valid: torch.Tensor
+    query_attention: torch.Tensor | None = None
+
+
+def _normalised(deviation: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``deviation`` divided by its mean over valid tokens (1 where there are none)."""
+    mean = deviation[valid].mean() if bool(valid.any()) else deviation.new_ones(())
+    return deviation / mean.clamp_min(1e-12)
+
+
+def kv_deviation_scores(inputs: CheckInputs) -> torch.Tensor:
+    return token_deviation(inputs.k_fresh, inputs.k_cached)
+
+
+def kv_deviation_v_scores(inputs: CheckInputs) -> torch.Tensor:
+    dk = token_deviation(inputs.k_fresh, inputs.k_cached)
+    dv = token_deviation(inputs.v_fresh, inputs.v_cached)
+    return _normalised(dk, inputs.valid) + _normalised(dv, inputs.valid)
+
+
+def query_attention_scores(inputs: CheckInputs) -> torch.Tensor:
+    if inputs.query_attention is None:
+        raise ValueError("query_attention selection needs the query's attention scores")
+    return inputs.query_attention.float()
+
+
+def query_kv_deviation_scores(inputs: CheckInputs) -> torch.Tensor:
+    deviation = token_deviation(inputs.k_fresh, inputs.k_cached)
+    return query_attention_scores(inputs) * deviation.sqrt()
+
+
+SCORERS: dict[str, Callable[[CheckInputs], torch.Tensor]] = {
+    "kv_deviation": kv_deviation_scores,
+    "kv_deviation_v": kv_deviation_v_scores,
+    "query_attention": query_attention_scores,
+    "query_kv_deviation": query_kv_deviation_scores,
+}
+
+
+def query_attention_mass(
+    q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention probability mass each key receives from the queries ``q``.
+
+    Args:
+        q: ``[Nq, Hq, D]`` queries (the query tokens), ``k``: ``[Nk, Hkv, D]`` keys of the
+            whole prompt (row ``j`` is position ``j``), GQA when ``Hq`` is a multiple of ``Hkv``.
+        q_positions: ``[Nq]`` positions of the queries; a query at ``p`` sees keys ``0..p``.
+        scale: softmax scale.
+
+    Returns:
+        ``[Nk]`` fp32: ``sum over heads and queries of softmax(q k^T * scale)`` (each query and
+        head contributes a distribution summing to one).
+    """
+    num_q, num_heads, _ = q.shape
+    if num_q == 0:
+        return torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
+    group = num_heads // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [Nk, Hq, D]
+    logits = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    key_pos = torch.arange(k.shape[0], device=k.device)
+    mask = key_pos[None, :] > q_positions.to(k.device)[:, None]
+    logits = logits.masked_fill(mask[None], float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=(0, 1))

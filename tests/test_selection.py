@@ -1,0 +1,161 @@
+"""Token selectors (``blend_selection``) on small tensors with hand-computed expectations, and
+the query-aware selection inside the blender."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_blender import C1, C2, C3, Q1, Q2, SEP, SYS, _prompt, _setup, _tiny_model, _warm
+
+from lmcache_backend.blend.selection import (
+    NEEDS_QUERY_ATTENTION,
+    QUERY_PREVIEW,
+    SCORERS,
+    CheckInputs,
+    query_attention_mass,
+)
+from lmcache_backend.config import SELECTION_CHOICES, ConfigError, load_config
+from lmcache_backend.hf_engine import hf_full_prefill
+
+
+def _inputs(query_attention=None) -> CheckInputs:
+    # three tokens, one KV head of dim 2: key deviations 1, 4, 0; value deviations 0, 1, 1
+    k_fresh = torch.tensor([[[1.0, 0.0]], [[0.0, 2.0]], [[3.0, 3.0]]])
+    k_cached = torch.tensor([[[0.0, 0.0]], [[0.0, 0.0]], [[3.0, 3.0]]])
+    v_fresh = torch.tensor([[[1.0, 1.0]], [[1.0, 0.0]], [[0.0, 1.0]]])
+    v_cached = torch.tensor([[[1.0, 1.0]], [[0.0, 0.0]], [[0.0, 0.0]]])
+    valid = torch.tensor([True, True, False])
+    return CheckInputs(k_fresh, v_fresh, k_cached, v_cached, valid, query_attention)
+
+
+def test_every_configurable_selection_has_a_scorer() -> None:
+    assert set(SCORERS) | {QUERY_PREVIEW} == set(SELECTION_CHOICES)
+    assert NEEDS_QUERY_ATTENTION <= set(SELECTION_CHOICES)
+
+
+def test_kv_deviation_scores_are_squared_key_distances() -> None:
+    assert SCORERS["kv_deviation"](_inputs()).tolist() == [1.0, 4.0, 0.0]
+
+
+def test_kv_deviation_v_adds_normalised_value_deviation() -> None:
+    # keys: 1, 4, 0 over the valid mean 2.5; values: 0, 1, 1 over the valid mean 0.5
+    expected = [1 / 2.5 + 0 / 0.5, 4 / 2.5 + 1 / 0.5, 0 / 2.5 + 1 / 0.5]
+    scores = SCORERS["kv_deviation_v"](_inputs())
+    torch.testing.assert_close(scores, torch.tensor(expected))
+
+
+def test_query_attention_scores_pass_the_mass_through() -> None:
+    mass = torch.tensor([0.5, 0.25, 2.0])
+    assert SCORERS["query_attention"](_inputs(mass)).tolist() == [0.5, 0.25, 2.0]
+    with pytest.raises(ValueError, match="query's attention"):
+        SCORERS["query_attention"](_inputs())
+
+
+def test_query_kv_deviation_multiplies_mass_and_key_distance() -> None:
+    mass = torch.tensor([0.5, 0.25, 2.0])
+    scores = SCORERS["query_kv_deviation"](_inputs(mass))
+    torch.testing.assert_close(scores, torch.tensor([0.5 * 1.0, 0.25 * 2.0, 0.0]))
+
+
+def test_query_attention_mass_by_hand() -> None:
+    # one query at position 1 over keys at 0, 1, 2: it sees keys 0 and 1 only
+    q = torch.tensor([[[1.0, 0.0]]])
+    k = torch.tensor([[[1.0, 0.0]], [[0.0, 0.0]], [[5.0, 5.0]]])
+    mass = query_attention_mass(q, k, torch.tensor([1]), scale=1.0)
+    e = math.e
+    torch.testing.assert_close(mass, torch.tensor([e / (e + 1), 1 / (e + 1), 0.0]))
+
+
+def test_query_attention_mass_sums_heads_and_queries_with_gqa() -> None:
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 4, 8), torch.randn(10, 2, 8)  # 4 query heads share 2 KV heads
+    positions = torch.tensor([7, 8, 9])
+    mass = query_attention_mass(q, k, positions, scale=8**-0.5)
+    expected = torch.zeros(10)
+    for i, p in enumerate(positions.tolist()):
+        for h in range(4):
+            logits = (k[: p + 1, h // 2] @ q[i, h]) * 8**-0.5
+            expected[: p + 1] += torch.softmax(logits, -1)
+    torch.testing.assert_close(mass, expected)
+    assert float(mass.sum()) == pytest.approx(3 * 4)
+
+
+def test_unknown_selection_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="blend_selection.*'bogus'.*kv_deviation"):
+        load_config(env={"LMCACHE_BLEND_SELECTION": "bogus"})
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _tiny_model("llama")
+
+
+def test_query_attention_selection_keeps_what_the_question_reads(llama) -> None:
+    """The check layer (1) keeps the reusable tokens that the query tokens attend to most in a
+    full prefill, summed over layers 0 and 1, plus every token of the query."""
+    blender, cache = _setup(llama, ratios=(0.2,), selection="query_attention")
+    _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    query_start = len(tokens) - len(Q2)
+    assert blender.start_request(tokens).query_start == query_start
+    result = blender.blend(tokens)
+
+    full = hf_full_prefill(llama, tokens)
+    adapter = blender.model
+    with torch.no_grad():
+        hidden = llama(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    positions = torch.arange(len(tokens))
+    mass = torch.zeros(len(tokens))
+    for layer in (0, 1):
+        q, _, _ = adapter.qkv(layer, adapter.attention_input(layer, hidden[layer][0]), positions)
+        mass += query_attention_mass(
+            q[query_start:], full.keys[layer], positions[query_start:], adapter.attn_scale
+        )
+    valid = result.valid_mask
+    count = int(0.2 * int(valid.sum()))
+    candidates = valid.clone()
+    candidates[: len(SYS) + len(SEP)] = False  # the system part is exact: never recomputed
+    top = torch.topk(mass.masked_fill(~candidates, -1.0), count).indices.tolist()
+    assert result.recomputed.tolist() == sorted(top + list(range(query_start, len(tokens))))
+
+
+def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch) -> None:
+    """The preview's attention mass decides the fixed selection: with a mass that favours known
+    tokens, exactly those (plus the query) are recomputed in every layer."""
+    import lmcache_backend.blend.blender as blender_module
+
+    blender, cache = _setup(llama, ratios=(0.1,), selection="query_preview")
+    _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    query_start = len(tokens) - len(Q2)
+    # the system part (tokens 0..13, stored at position 0) is exact: favouring it changes nothing
+    system = list(range(len(SYS) + len(SEP)))
+    favoured = [17, 40, 41, 77, 90, 101, 110, 120, 130, 140, 141, 142, 143, 20, 25, 30]
+    count = int(0.1 * query_start)
+
+    def fake_mass(q, k, positions, scale):
+        mass = torch.zeros(k.shape[0])
+        mass[system] = 100.0
+        mass[favoured] = torch.arange(len(favoured), 0, -1, dtype=torch.float32)
+        return mass
+
+    monkeypatch.setattr(blender_module, "query_attention_mass", fake_mass)
+    result = blender.blend(tokens)
+    query = list(range(query_start, len(tokens)))
+    assert result.recomputed.tolist() == sorted(favoured[:count]) + query
+    layers = blender.model.num_layers
+    # the preview (query tokens) and the blend (selection + query), every layer
+    assert result.token_layers == layers * (len(query) + count + len(query))
+
+
+def test_query_preview_is_closer_to_full_prefill_than_naive_reuse(llama) -> None:
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    full = hf_full_prefill(llama, tokens).logits
+    errors = {}
+    for selection, ratio in (("query_preview", 0.3), ("kv_deviation", 0.0)):
+        blender, cache = _setup(llama, ratios=(ratio,), selection=selection)
+        _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
+        errors[selection] = float((blender.blend(tokens).logits - full).abs().max())
+    assert errors["query_preview"] < errors["kv_deviation"]
