@@ -103,7 +103,8 @@ def builtin_prompts(tokenizer: Any, count: int = 4, separator: str | None = None
     from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.examples import builtin_examples, reordered
 
-    kw = {} if separator is None else {"blend_special_str": separator}
+    # separator-free mode (""): the default separator only shapes the text, blocks are found in it
+    kw = {"blend_special_str": separator} if separator else {}
     pairs = []
     for ex in builtin_examples(count, chunks_per_example=3):
         first = build_blend_prompt(tokenizer, ex.system, ex.chunks, ex.question, **kw)
