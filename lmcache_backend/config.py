@@ -134,14 +134,14 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey(
         "blend_recompute_ratios",
         _parse_float_list,
-        [0.15],
+        [0.2],
         "fraction of reusable tokens recomputed; one value, or one per check layer",
     ),
     ConfigKey("blend_check_layers", _parse_int_list, [1], "layers where tokens are selected"),
     ConfigKey(
         "blend_selection",
         str,
-        "kv_deviation",
+        "query_preview",
         "how check layers choose tokens: " + ", ".join(SELECTION_CHOICES),
     ),
     ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
@@ -192,9 +192,11 @@ class BlendConfig:
     enable_blending: bool = False
     blend_special_str: str = " # # "
     blend_block_size: int = 16
-    blend_recompute_ratios: list[float] = field(default_factory=lambda: [0.15])
+    # Defaults: the best measured trade-off within 25% of token-layers (docs/quality.md).
+    # LMCache's behaviour: blend_selection=kv_deviation with LMCache's ratios and check layers.
+    blend_recompute_ratios: list[float] = field(default_factory=lambda: [0.2])
     blend_check_layers: list[int] = field(default_factory=lambda: [1])
-    blend_selection: str = "kv_deviation"
+    blend_selection: str = "query_preview"
     blend_min_tokens: int = 256
     backend: str = "auto"
     use_layerwise: bool = True

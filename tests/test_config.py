@@ -9,14 +9,29 @@ import pytest
 from lmcache_backend.config import CONFIG_KEYS, BlendConfig, ConfigError, load_config
 
 
-def test_defaults_match_lmcache() -> None:
+def test_defaults() -> None:
+    """LMCache's keys keep LMCache's values; the selection and ratio, which LMCache leaves unset,
+    are the measured best trade-off within 25% of token-layers (docs/quality.md)."""
     config = load_config(env={})
     assert config.enable_blending is False
     assert config.blend_special_str == " # # "
     assert config.blend_min_tokens == 256
     assert config.blend_check_layers == [1]
-    assert config.blend_recompute_ratios == [0.15]
+    assert config.blend_recompute_ratios == [0.2]
+    assert config.blend_selection == "query_preview"
     assert config.backend == "auto"
+
+
+def test_lmcache_selection_is_one_key_away() -> None:
+    config = load_config(
+        env={
+            "LMCACHE_BLEND_SELECTION": "kv_deviation",
+            "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15",
+            "LMCACHE_BLEND_CHECK_LAYERS": "1",
+        }
+    )
+    assert config.blend_selection == "kv_deviation"
+    assert config.check_schedule() == [(1, 0.15)]
 
 
 def test_every_key_has_env_name_and_description() -> None:
@@ -131,7 +146,7 @@ def test_unknown_key_warns_with_closest(caplog, tmp_path) -> None:
     text = caplog.text
     assert "'blend_recompute_ratio'" in text and "did you mean 'blend_recompute_ratios'" in text
     assert "'enable_blend'" in text and "did you mean 'enable_blending'" in text
-    assert config.blend_recompute_ratios == [0.15]  # the unknown key changed nothing
+    assert config.blend_recompute_ratios == [0.2]  # the unknown key changed nothing
 
 
 def test_lmcache_keys_we_do_not_use_load_quietly(caplog) -> None:

@@ -70,3 +70,12 @@ def test_malformed_params_fall_back_to_the_engine_settings(config, params, logge
 
 def test_blending_off_ignores_params() -> None:
     assert request_config(load_config(enable_blending=False), {"blend": "x"}, NUM_LAYERS) is None
+
+
+def test_a_request_chooses_its_selection(config, caplog) -> None:
+    chosen = request_config(config, {"blend_selection": "kv_deviation"}, NUM_LAYERS, "r")
+    assert chosen.blend_selection == "kv_deviation"
+    with caplog.at_level("WARNING"):
+        kept = request_config(config, {"blend_selection": "bogus"}, NUM_LAYERS, "r2")
+    assert kept.blend_selection == config.blend_selection
+    assert "r2" in caplog.text and "blend_selection" in caplog.text
