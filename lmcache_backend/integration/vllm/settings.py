@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 REQUEST_KEYS = ("blend_recompute_ratios", "blend_check_layers", "blend_selection")
 
 #: ``kv_connector_extra_config`` keys that belong to vLLM's side, not to :class:`BlendConfig`.
-CONNECTOR_KEYS = ("instance_id", "stats_file", "allow_untested_versions")
+CONNECTOR_KEYS = ("instance_id", "stats_file", "allow_untested_versions", "profile")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class ConnectorSettings:
         separator: ``blend_special_str`` as token ids.
         stats_file: optional JSON-lines file receiving one record per blended request.
         allow_untested_versions: run on a vLLM release outside the matrix.
+        profile: time the phases of each blended request (``BlendRecord.profile``).
     """
 
     config: BlendConfig
@@ -44,6 +45,7 @@ class ConnectorSettings:
     separator: tuple[int, ...]
     stats_file: str | None
     allow_untested_versions: bool
+    profile: bool = False
 
     def rank_instance(self, rank: int) -> str:
         """Index id of one rank (the same on the scheduler and on that rank's worker)."""
@@ -90,6 +92,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         separator=separator,
         stats_file=own.get("stats_file"),
         allow_untested_versions=bool(own.get("allow_untested_versions", False)),
+        profile=str(own.get("profile", False)).lower() in ("1", "true", "yes", "on"),
     )
 
 

@@ -24,8 +24,11 @@ from typing import Any
 import torch
 
 from lmcache_backend.blend import LMCBlender, SegmentCache
+from lmcache_backend.blend.timing import NO_TIMER, PhaseTimer
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.integration.vllm.layouts import (
+    AttentionPlan,
+    CpuAttention,
     CpuLayout,
     FlashLayout,
     PagedLayout,
@@ -58,23 +61,65 @@ class BlendRecord:
     token_layer_fraction: float
     fallback_reason: str | None
     blend_ms: float
+    #: milliseconds per phase (``profile: true`` only): the blender's phases, ``prefix read``
+    #: and ``vllm step`` (vLLM's own forward pass of the step that follows the blend)
+    profile: dict[str, float] | None = None
 
 
 class _PagedWriter:
-    """The blender's per-layer sink: writes the claimed rows of each finished layer."""
+    """The blender's per-layer sink: writes the claimed rows of each finished layer.
 
-    def __init__(self, layout: PagedLayout, caches: list[torch.Tensor]) -> None:
-        self.layout, self.caches = layout, caches
+    With ``attention`` (vLLM's CPU paged-attention op) it also serves the blender's attention:
+    every row of a layer is written into the paged cache first, then the selected queries attend
+    over it there (:class:`~lmcache_backend.blend.blender.PagedKV`).
+    """
+
+    def __init__(
+        self, layout: PagedLayout, caches: list[torch.Tensor], attention: CpuAttention | None
+    ) -> None:
+        self.layout, self.caches, self._attention = layout, caches, attention
         self.slots = torch.empty(0, dtype=torch.int64)
         self.start = self.stop = 0
+        self.block_ids: torch.Tensor | None = None
+        self._plan: AttentionPlan | None = None
 
-    def target(self, slots: torch.Tensor, start: int, stop: int) -> None:
+    def target(
+        self, slots: torch.Tensor, start: int, stop: int, block_ids: torch.Tensor | None = None
+    ) -> None:
+        """Write tokens ``start..stop-1`` to ``slots`` (``[stop - start]``); with ``block_ids``
+        (the request's whole block table, ``stop`` its last token + 1) attend over them too."""
         self.slots, self.start, self.stop = slots, start, stop
+        self.block_ids = block_ids if self._attention is not None else None
+        self._plan = None
+
+    @property
+    def paged_attention(self) -> bool:
+        return self.block_ids is not None
 
     def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.stop > self.start:
             rows = slice(self.start, self.stop)
             self.layout.write(self.caches[layer_id], keys[rows], values[rows], self.slots)
+
+    def write_rows(
+        self, layer_id: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write ``keys``/``values`` ``[N, Hkv, D]`` of the token indices ``rows [N]``."""
+        if rows.numel() and int(rows[0]) < self.start:  # tokens already in vLLM's prefix cache
+            keep = rows >= self.start
+            rows, keys, values = rows[keep], keys[keep], values[keep]
+        if rows.numel():
+            slots = self.slots[rows.cpu() - self.start]
+            self.layout.write(self.caches[layer_id], keys, values, slots)
+
+    def attention(
+        self, layer_id: int, q: torch.Tensor, positions: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V."""
+        plan = self._plan
+        if plan is None or not torch.equal(plan.positions, positions.cpu()):
+            plan = self._plan = self._attention.plan(positions, self.block_ids)
+        return self._attention(self.caches[layer_id], q, plan, scale)
 
 
 def _tp_consistent_ops(ops: Ops) -> Ops:
@@ -121,6 +166,9 @@ class WorkerSide:
         self._blenders: dict[tuple, LMCBlender] = {}
         self.records: list[BlendRecord] = []
         self.stored_segments = 0
+        self.timer = PhaseTimer() if settings.profile else NO_TIMER
+        self._pending: list[BlendRecord] = []  # profiled, waiting for the step's end
+        self._loads_done = 0.0
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -150,7 +198,7 @@ class WorkerSide:
                 f"CacheBlend: {len(self.caches)} KV caches for {self.model.num_layers} layers"
             )
         self.layout = self._make_layout()
-        self._writer = _PagedWriter(self.layout, self.caches)
+        self._writer = _PagedWriter(self.layout, self.caches, self._make_attention())
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self.settings.tp_size > 1 else 0
@@ -193,6 +241,22 @@ class WorkerSide:
         k_cache, _ = FlashLayout.split(cache)
         return FlashLayout(int(k_cache.shape[1]), self._ops())
 
+    def _make_attention(self) -> CpuAttention | None:
+        """vLLM's CPU paged attention for the blender, where the layout and build allow it."""
+        if not isinstance(self.layout, CpuLayout) or not CpuAttention.available():
+            return None
+        import vllm.envs as envs
+
+        layer = self.vllm_config.compilation_config.static_forward_context[self.layer_names[0]]
+        return CpuAttention(
+            str(layer.isa),
+            self.model.num_heads,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.caches[0].dtype,
+            bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
+        )
+
     def _ops(self) -> Ops:
         ops = get_ops(self.settings.config.backend)
         return _tp_consistent_ops(ops) if self.settings.tp_size > 1 else ops
@@ -218,6 +282,7 @@ class WorkerSide:
                 self._ops(),
                 score_reducer=_tp_sum if self.settings.tp_size > 1 else None,
             )
+            self._blenders[key].timer = self.timer
         return self._blenders[key]
 
     # -- loads ----------------------------------------------------------------------------
@@ -235,9 +300,17 @@ class WorkerSide:
         """Blend ``spec``'s prompt and write tokens ``prefix_len..end-1`` into its blocks."""
         self._ensure_ready()
         started = time.perf_counter()
-        slots = slots_for(spec.block_ids, self.block_size, 0, spec.end)
+        self.timer.start()
+        num_tokens = len(spec.token_ids)
+        # attention over the paged cache needs every row there, the last token's too (vLLM
+        # rewrites that one in its own forward pass)
+        attend = len(spec.block_ids) * self.block_size >= num_tokens
+        stop = num_tokens if attend else spec.end
+        slots = slots_for(spec.block_ids, self.block_size, 0, stop)
         prefix = self._read_all_layers(slots[: spec.prefix_len]) if spec.prefix_len else None
-        self._writer.target(slots[spec.prefix_len :], spec.prefix_len, spec.end)
+        self.timer.lap("prefix read")
+        block_ids = torch.as_tensor(spec.block_ids, dtype=torch.int64) if attend else None
+        self._writer.target(slots[spec.prefix_len :], spec.prefix_len, stop, block_ids)
         result = self._blender(spec).blend(spec.token_ids, cached_prefix=prefix)
         self._writer.target(torch.empty(0, dtype=torch.int64), 0, 0)
         n, layers = len(spec.token_ids), self.model.num_layers
@@ -253,8 +326,23 @@ class WorkerSide:
             fallback_reason=result.fallback_reason,
             blend_ms=(time.perf_counter() - started) * 1000.0,
         )
-        self._report(record)
+        if self.settings.profile:
+            record.profile = self.timer.milliseconds()
+            self._pending.append(record)
+            self._loads_done = time.perf_counter()
+        else:
+            self._report(record)
         return record
+
+    def finish_step(self) -> None:
+        """After the step's forward pass: report the profiled records with vLLM's step time."""
+        if not self._pending:
+            return
+        step_ms = (time.perf_counter() - self._loads_done) * 1000.0
+        for record in self._pending:
+            record.profile["vllm step"] = round(step_ms, 3)
+            self._report(record)
+        self._pending = []
 
     def _report(self, record: BlendRecord) -> None:
         self.records.append(record)
