@@ -83,3 +83,14 @@ def test_verify_fails_when_rerotation_is_wrong(yarn_model, capsys, monkeypatch) 
 
     checks = {c["name"]: c for c in json.loads(out.strip().splitlines()[-1])["checks"]}
     assert checks["re-rotation error"]["passed"] is False
+
+
+def test_verify_on_start_takes_booleans_only() -> None:
+    from lmcache_backend.config import ConfigError
+    from lmcache_backend.integration.vllm.settings import CONNECTOR_KEYS, _flag
+
+    assert "verify_on_start" in CONNECTOR_KEYS
+    assert _flag("verify_on_start", True) and _flag("verify_on_start", "on")
+    assert not _flag("verify_on_start", "false")
+    with pytest.raises(ConfigError, match="verify_on_start='maybe'"):
+        _flag("verify_on_start", "maybe")

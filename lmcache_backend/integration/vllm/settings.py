@@ -94,40 +94,11 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
 
 
 def _flag(key: str, value: Any) -> bool:
+    """A boolean connector key: a bool or one of true/false, yes/no, on/off, 1/0."""
+    words = {"1": True, "true": True, "yes": True, "on": True}
+    words.update({"0": False, "false": False, "no": False, "off": False})
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in (
-        "1",
-        "true",
-        "yes",
-        "on",
-        "0",
-        "false",
-        "no",
-        "off",
-    ):
-        return value.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(value, str) and value.strip().lower() in words:
+        return words[value.strip().lower()]
     raise ConfigError(f"{key}={value!r}: expected true or false")
-
-
-def request_config(config: BlendConfig, params: dict | None) -> BlendConfig | None:
-    """The configuration of one request after its ``kv_transfer_params``; None: do not blend.
-
-    An invalid per-request value is logged and ignored (the engine's settings apply).
-    """
-    if not config.enable_blending:
-        return None
-    if not params:
-        return config
-    if params.get("blend") is False:
-        return None
-    changes = {
-        k: params[k] for k in ("blend_recompute_ratios", "blend_check_layers") if k in params
-    }
-    if not changes:
-        return config
-    try:
-        return config.replace(**changes)
-    except (ConfigError, TypeError, ValueError) as exc:
-        logger.warning("ignoring kv_transfer_params %s: %s", changes, exc)
-        return config
