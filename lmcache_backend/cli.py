@@ -40,6 +40,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.main(args)
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from lmcache_backend import verify
+
+    return verify.main(args)
+
+
 def _apply_patch(args: argparse.Namespace) -> int:
     from lmcache_backend.patches import apply_patch
 
@@ -71,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="versions, matrix row, backend and hooks in use")
     p.set_defaults(func=_doctor)
+
+    from lmcache_backend import verify
+
+    p = sub.add_parser("verify", help="check that blending is exact on a model (pass/fail)")
+    verify.add_arguments(p)
+    p.set_defaults(func=_verify)
 
     p = sub.add_parser(
         "apply-patch", help="patch vllm-ascend's worker (see docs/patching.md)", add_help=False

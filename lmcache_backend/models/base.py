@@ -97,3 +97,20 @@ def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tens
     positions = torch.arange(max_positions, dtype=torch.float64, device=inv_freq.device)
     freqs = positions[:, None] * inv_freq.double()[None, :]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+
+def pure_rotation_table(cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """``cos_sin_cache`` (``[max_pos, R]``, cosines then sines) with each (cos, sin) pair scaled
+    to unit length, in fp32.
+
+    Some RoPE variants fold an attention factor into the table (YaRN's ``mscale``, DeepSeek's
+    ``mscale``/``mscale_all_dim``, long-RoPE's scaling factor): ``cos * m``, ``sin * m``. Keys
+    rotated with such a table carry ``m`` once; undoing and redoing the rotation with the same
+    table would multiply them by ``m**2``. A unit-length table rotates by the angle difference
+    and leaves the factor the cached key already holds untouched.
+    """
+    table = cos_sin_cache.double()
+    half = table.shape[-1] // 2
+    cos, sin = table[:, :half], table[:, half:]
+    norm = torch.sqrt(cos * cos + sin * sin).clamp_min(1e-30)
+    return torch.cat([cos / norm, sin / norm], dim=-1).float()

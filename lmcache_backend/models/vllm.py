@@ -5,10 +5,17 @@ The four share one module layout in vLLM: ``model.model.layers[i].self_attn`` wi
 ``input_layernorm`` / ``post_attention_layernorm`` / ``mlp``; Qwen3 adds ``q_norm``/``k_norm``
 over the head dim before RoPE. Linear layers return ``(output, bias)``.
 
-vLLM's decoder layers carry the residual separately and use fused add+RMSNorm
-(``norm(x, residual) -> (norm(x + residual), x + residual)``). The adapter keeps one stream
-``h = x + residual`` instead and calls each norm without a residual: the same arithmetic (the sum
-is rounded to the model dtype once either way), in the interface the blender expects.
+vLLM's decoder layers carry the residual separately and use fused add+RMSNorm:
+``norm(x, residual)`` adds in fp32, keeps the sum rounded to the model dtype as the next residual,
+but normalizes the *unrounded* fp32 sum. The adapter reproduces that exactly inside the
+blender's one-stream interface (``h = h + attention_output(...)``; ``h = mlp_block(h)``):
+
+* ``attention_output`` returns the o_proj output in fp32, so ``h + o`` is the exact fp32 sum;
+* ``mlp_block`` normalizes that fp32 sum, rounds it to the model dtype as the residual, adds the
+  MLP output in fp32 and returns the sum rounded to the model dtype (vLLM's next residual),
+  remembering the fp32 sum for the next layer's ``attention_input`` (and the final norm).
+
+Normalizing a rounded sum instead was the main source of bf16 drift from vLLM's own prefill.
 
 Tensor parallelism: the attention modules hold this rank's heads (``num_heads``/``num_kv_heads``
 below are per rank); ``o_proj`` and the MLP's ``down_proj`` all-reduce, so every rank ends each
@@ -26,7 +33,11 @@ from typing import Any
 import torch
 
 from lmcache_backend.compat.vllm import current_profile
-from lmcache_backend.models.base import ModelAdapter, sliding_window_span
+from lmcache_backend.models.base import (
+    ModelAdapter,
+    pure_rotation_table,
+    sliding_window_span,
+)
 from lmcache_backend.store import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -38,6 +49,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+
+
+#: vLLM implementations that ignore a config's ``head_dim`` (hidden_size / num_heads instead).
+_HEAD_DIM_FROM_HIDDEN_SIZE = ("Qwen2ForCausalLM",)
 
 
 def _weight_files_digest(model_path: str) -> str:
@@ -63,7 +78,10 @@ def vllm_fingerprint(vllm_config: Any) -> ModelFingerprint:
     hf = mc.hf_text_config if hasattr(mc, "hf_text_config") else mc.hf_config
     num_heads = int(hf.num_attention_heads)
     num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
+    architectures = getattr(mc.hf_config, "architectures", None) or ["unknown"]
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
+    if architectures[0] in _HEAD_DIM_FROM_HIDDEN_SIZE:
+        head_dim = int(hf.hidden_size // num_heads)
     rope = {
         "rope_theta": getattr(hf, "rope_theta", None),
         "rope_scaling": getattr(hf, "rope_scaling", None),
@@ -75,7 +93,6 @@ def vllm_fingerprint(vllm_config: Any) -> ModelFingerprint:
         "quantization": getattr(mc, "quantization", None),
         "files": _weight_files_digest(str(mc.model)),
     }
-    architectures = getattr(mc.hf_config, "architectures", None) or ["unknown"]
     # A tensor-parallel rank holds (and stores) only its share of the heads.
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
     return ModelFingerprint(
@@ -102,6 +119,29 @@ def _cpu_rotary_op() -> Any:
     if not current_platform.is_cpu() or not hasattr(_custom_ops, "rotary_embedding"):
         return None
     return _custom_ops
+
+
+def _check_rotary(arch: str, attn: Any, rotary: Any) -> None:
+    """Refuse attention whose positional encoding is not one rotation per position.
+
+    Re-rotating a cached key needs ``rope(k, p) = R(p) k`` (times a constant factor, see
+    :func:`~lmcache_backend.models.base.pure_rotation_table`): the rotation tables of plain,
+    linear, dynamic-NTK, Llama-3 and YaRN scaling qualify. Multimodal RoPE (several position
+    streams), dual-chunk RoPE and Llama-4-style position-dependent query scaling do not.
+    """
+    name = type(rotary).__name__
+    problem = None
+    if not hasattr(rotary, "_compute_cos_sin_cache") or not hasattr(rotary, "is_neox_style"):
+        problem = f"its rotary embedding {name} exposes no rotation table"
+    elif "MRotary" in name or "DualChunk" in name or "Phi3LongRoPE" in name:
+        problem = f"its rotary embedding {name} is not one rotation per position"
+    elif getattr(attn, "do_llama_4_scaling", False):
+        problem = "it scales queries by position (llama_4_scaling)"
+    if problem is not None:
+        raise ValueError(
+            f"CacheBlend cannot re-rotate cached keys of this {arch}: {problem}; "
+            "serve it without the CacheBlend connector"
+        )
 
 
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -146,15 +186,24 @@ class VLLMModelAdapter(ModelAdapter):
         self._kv_size = self.num_kv_heads * self.head_dim
         self.attn_scale = float(self._profile.softmax_scale(attn))
         rotary = attn.rotary_emb
+        _check_rotary(arch, attn, rotary)
         self.is_neox = bool(rotary.is_neox_style)
-        # fp32 and unscaled: recomputed rather than read from the buffer, which vLLM casts to the
-        # model dtype on first use.
-        self.cos_sin_cache = rotary._compute_cos_sin_cache().float().to(self.device)
+        # fp32, recomputed rather than read from the buffer (which vLLM casts to the model dtype
+        # on first use), and normalized to a pure rotation: YaRN-style tables carry an attention
+        # factor that re-rotation must not apply twice.
+        self.cos_sin_cache = pure_rotation_table(rotary._compute_cos_sin_cache()).to(self.device)
         self._delta_cache: torch.Tensor | None = None
         hf = vllm_config.model_config.hf_config
         self.max_exact_tokens = sliding_window_span(hf)
         self._fingerprint = vllm_fingerprint(vllm_config)
+        if self._fingerprint.head_dim != self.head_dim:
+            raise ValueError(
+                f"CacheBlend cannot serve this {arch}: its attention uses head_dim "
+                f"{self.head_dim}, its config says {self._fingerprint.head_dim}"
+            )
         self._embed = self._profile.embedding_accessor(model)
+        # (stream returned by mlp_block, its unrounded fp32 sum): see the module docstring
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -171,8 +220,29 @@ class VLLMModelAdapter(ModelAdapter):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self._embed(token_ids.to(self.device))
 
+    def _unrounded(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The fp32 sum ``hidden`` was rounded from, when ``hidden`` is (a tail of) the stream
+        the last ``mlp_block`` returned; else ``hidden`` itself."""
+        pending = self._pending
+        if pending is None or hidden.dtype != self.dtype:
+            return hidden
+        stream, exact = pending
+        n = hidden.shape[0]
+        if (
+            hidden.untyped_storage().data_ptr() == stream.untyped_storage().data_ptr()
+            and n <= stream.shape[0]
+            and hidden.data_ptr() == stream[stream.shape[0] - n :].data_ptr()
+        ):
+            return exact[exact.shape[0] - n :]
+        return hidden
+
+    def _norm(self, norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        # vLLM's RMSNorm computes in fp32 and multiplies by the weight in its dtype; an fp32
+        # input gives the fused op's output, in fp32 storage.
+        return norm(hidden).to(self.dtype)
+
     def attention_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        return self._layers[layer].input_layernorm(hidden)
+        return self._norm(self._layers[layer].input_layernorm, self._unrounded(hidden))
 
     def qkv(
         self, layer: int, x: torch.Tensor, positions: torch.Tensor
@@ -227,14 +297,22 @@ class VLLMModelAdapter(ModelAdapter):
 
     def attention_output(self, layer: int, attn: torch.Tensor) -> torch.Tensor:
         o_proj = self._layers[layer].self_attn.o_proj
-        return _linear(o_proj, attn.reshape(attn.shape[0], -1).to(self.dtype))
+        return _linear(o_proj, attn.reshape(attn.shape[0], -1).to(self.dtype)).float()
 
     def mlp_block(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         block = self._layers[layer]
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        exact = self._unrounded(hidden).float()
+        residual = exact.to(self.dtype)
+        out = block.mlp(self._norm(block.post_attention_layernorm, exact))
+        total = residual.float() + out.float()
+        stream = total.to(self.dtype)
+        self._pending = (stream, total)
+        return stream
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.model.compute_logits(self._decoder.norm(hidden))
+        normed = self._norm(self._decoder.norm, self._unrounded(hidden))
+        self._pending = None
+        out = self.model.compute_logits(normed)
         if out is None:  # tensor-parallel ranks other than the first receive no gathered logits
             vocab = self.model.lm_head.org_vocab_size
             return torch.zeros(hidden.shape[0], vocab, device=hidden.device)

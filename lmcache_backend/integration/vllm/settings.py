@@ -22,7 +22,13 @@ logger = logging.getLogger(__name__)
 REQUEST_KEYS = ("blend_recompute_ratios", "blend_check_layers", "blend_selection")
 
 #: ``kv_connector_extra_config`` keys that belong to vLLM's side, not to :class:`BlendConfig`.
-CONNECTOR_KEYS = ("instance_id", "stats_file", "allow_untested_versions", "profile")
+CONNECTOR_KEYS = (
+    "instance_id",
+    "stats_file",
+    "allow_untested_versions",
+    "verify_on_start",
+    "profile",
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,8 @@ class ConnectorSettings:
         separator: ``blend_special_str`` as token ids.
         stats_file: optional JSON-lines file receiving one record per blended request.
         allow_untested_versions: run on a vLLM release outside the matrix.
+        verify_on_start: run ``lmcache-backend verify``'s model checks once when the worker is
+            ready and log the result (see :mod:`lmcache_backend.verify`).
         profile: time the phases of each blended request (``BlendRecord.profile``).
     """
 
@@ -45,6 +53,7 @@ class ConnectorSettings:
     separator: tuple[int, ...]
     stats_file: str | None
     allow_untested_versions: bool
+    verify_on_start: bool = False
     profile: bool = False
 
     def rank_instance(self, rank: int) -> str:
@@ -92,7 +101,8 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         separator=separator,
         stats_file=own.get("stats_file"),
         allow_untested_versions=bool(own.get("allow_untested_versions", False)),
-        profile=str(own.get("profile", False)).lower() in ("1", "true", "yes", "on"),
+        verify_on_start=_flag("verify_on_start", own.get("verify_on_start", False)),
+        profile=_flag("profile", own.get("profile", False)),
     )
 
 
@@ -115,3 +125,14 @@ def request_config(config: BlendConfig, params: dict | None) -> BlendConfig | No
     except (ConfigError, TypeError, ValueError) as exc:
         logger.warning("ignoring kv_transfer_params %s: %s", changes, exc)
         return config
+
+
+def _flag(key: str, value: Any) -> bool:
+    """A boolean connector key: a bool or one of true/false, yes/no, on/off, 1/0."""
+    words = {"1": True, "true": True, "yes": True, "on": True}
+    words.update({"0": False, "false": False, "no": False, "off": False})
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in words:
+        return words[value.strip().lower()]
+    raise ConfigError(f"{key}={value!r}: expected true or false")

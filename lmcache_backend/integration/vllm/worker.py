@@ -13,6 +13,7 @@ paged cache and their segments stored (those the store lacks), whichever path co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -61,6 +62,10 @@ class BlendRecord:
     token_layer_fraction: float
     fallback_reason: str | None
     blend_ms: float
+    #: digest of the recomputed token indices (tensor-parallel ranks must agree on it)
+    selected_digest: str = ""
+    #: layers whose attention ran through vLLM's own paged attention op
+    vllm_attention_layers: int = 0
     #: milliseconds per phase (``profile: true`` only): the blender's phases, ``prefix read``
     #: and ``vllm step`` (vLLM's own forward pass of the step that follows the blend)
     profile: dict[str, float] | None = None
@@ -82,6 +87,7 @@ class _PagedWriter:
         self.start = self.stop = 0
         self.block_ids: torch.Tensor | None = None
         self._plan: AttentionPlan | None = None
+        self.paged_layers = 0
 
     def target(
         self, slots: torch.Tensor, start: int, stop: int, block_ids: torch.Tensor | None = None
@@ -91,6 +97,7 @@ class _PagedWriter:
         self.slots, self.start, self.stop = slots, start, stop
         self.block_ids = block_ids if self._attention is not None else None
         self._plan = None
+        self.paged_layers = 0  # layers of the current request attended over the paged cache
 
     @property
     def paged_attention(self) -> bool:
@@ -100,26 +107,6 @@ class _PagedWriter:
         if self.stop > self.start:
             rows = slice(self.start, self.stop)
             self.layout.write(self.caches[layer_id], keys[rows], values[rows], self.slots)
-
-    def write_rows(
-        self, layer_id: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> None:
-        """Write ``keys``/``values`` ``[N, Hkv, D]`` of the token indices ``rows [N]``."""
-        if rows.numel() and int(rows[0]) < self.start:  # tokens already in vLLM's prefix cache
-            keep = rows >= self.start
-            rows, keys, values = rows[keep], keys[keep], values[keep]
-        if rows.numel():
-            slots = self.slots[rows.cpu() - self.start]
-            self.layout.write(self.caches[layer_id], keys, values, slots)
-
-    def attention(
-        self, layer_id: int, q: torch.Tensor, positions: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V."""
-        plan = self._plan
-        if plan is None or not torch.equal(plan.positions, positions.cpu()):
-            plan = self._plan = self._attention.plan(positions, self.block_ids)
-        return self._attention(self.caches[layer_id], q, plan, scale)
 
 
 def _tp_consistent_ops(ops: Ops) -> Ops:
@@ -197,6 +184,7 @@ class WorkerSide:
             raise RuntimeError(
                 f"CacheBlend: {len(self.caches)} KV caches for {self.model.num_layers} layers"
             )
+        self._check_rerotation()
         self.layout = self._make_layout()
         self._writer = _PagedWriter(self.layout, self.caches, self._make_attention())
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -219,6 +207,43 @@ class WorkerSide:
             type(self.layout).__name__,
             self._ops().name,
         )
+        if self.settings.verify_on_start:
+            self._verify_on_start()
+
+    def _probe_tokens(self) -> list[int]:
+        vocab = int(self.vllm_config.model_config.get_vocab_size())
+        return [(100 + 37 * i) % max(vocab, 1) for i in range(96)]
+
+    def _check_rerotation(self) -> None:
+        """Refuse to start when re-rotated cached keys would not equal fresh keys: the model's
+        positional encoding is not what the re-rotation assumes."""
+        from lmcache_backend.verify import REROTATION_TOLERANCE, rerotation_error
+
+        err = rerotation_error(self.model, self._probe_tokens())
+        limit = REROTATION_TOLERANCE.get(self.model.dtype, REROTATION_TOLERANCE[torch.bfloat16])
+        if not err <= limit:
+            raise RuntimeError(
+                f"CacheBlend cannot serve {type(self.model.model).__name__}: cached keys "
+                f"re-rotated to new positions differ from keys computed there (relative error "
+                f"{err:.2e} > {limit:.0e}); serve this model without the CacheBlend connector"
+            )
+
+    def _verify_on_start(self) -> None:
+        """``verify_on_start``: the model checks of ``lmcache-backend verify``, logged once."""
+        from transformers import AutoTokenizer
+
+        from lmcache_backend import verify
+
+        mc = self.vllm_config.model_config
+        tok = AutoTokenizer.from_pretrained(
+            str(mc.tokenizer), trust_remote_code=bool(mc.trust_remote_code)
+        )
+        prompts = verify.builtin_prompts(tok, 2, self.settings.config.blend_special_str)
+        checks = verify.adapter_checks(
+            self.model, self.settings.separator, prompts, self.settings.config, ops=self._ops()
+        )
+        text = verify.format_checks("CacheBlend start-up verification", checks)
+        (logger.info if verify.checks_passed(checks) else logger.warning)("%s", text)
 
     def _make_layout(self) -> PagedLayout:
         from vllm.platforms import current_platform
@@ -244,6 +269,10 @@ class WorkerSide:
     def _make_attention(self) -> CpuAttention | None:
         """vLLM's CPU paged attention for the blender, where the layout and build allow it."""
         if not isinstance(self.layout, CpuLayout) or not CpuAttention.available():
+            return None
+        if self.model.max_exact_tokens is not None:  # sliding window: the blender falls back
+            return None
+        if int(self.caches[0].shape[2]) != self.block_size:
             return None
         import vllm.envs as envs
 
@@ -301,7 +330,7 @@ class WorkerSide:
         self._ensure_ready()
         started = time.perf_counter()
         self.timer.start()
-        num_tokens = len(spec.token_ids)
+        n = num_tokens = len(spec.token_ids)
         # attention over the paged cache needs every row there, the last token's too (vLLM
         # rewrites that one in its own forward pass)
         attend = len(spec.block_ids) * self.block_size >= num_tokens
@@ -312,8 +341,9 @@ class WorkerSide:
         block_ids = torch.as_tensor(spec.block_ids, dtype=torch.int64) if attend else None
         self._writer.target(slots[spec.prefix_len :], spec.prefix_len, stop, block_ids)
         result = self._blender(spec).blend(spec.token_ids, cached_prefix=prefix)
+        paged_layers = self._writer.paged_layers
         self._writer.target(torch.empty(0, dtype=torch.int64), 0, 0)
-        n, layers = len(spec.token_ids), self.model.num_layers
+        layers = self.model.num_layers
         record = BlendRecord(
             req_id=spec.req_id,
             num_tokens=n,
@@ -325,6 +355,10 @@ class WorkerSide:
             token_layer_fraction=result.token_layers / (n * layers),
             fallback_reason=result.fallback_reason,
             blend_ms=(time.perf_counter() - started) * 1000.0,
+            selected_digest=hashlib.sha256(
+                result.recomputed.to(torch.int64).numpy().tobytes()
+            ).hexdigest()[:16],
+            vllm_attention_layers=paged_layers,
         )
         if self.settings.profile:
             record.profile = self.timer.milliseconds()

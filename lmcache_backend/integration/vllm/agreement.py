@@ -1,0 +1,124 @@
+"""Does ratio 1.0 reproduce vLLM's own prefill? Greedy answers of one engine, blended vs opted out.
+
+``python -m lmcache_backend.integration.vllm.agreement [--model PATH] [--dtype bfloat16 float32]
+[--prompts 16] [--max-tokens 24] [--ratio 1.0]`` serves the built-in RAG prompts (3 to 6 chunks,
+about 1,100 tokens with SmolLM2) through vLLM with the CacheBlend connector: each prompt once in
+its original order (vLLM prefills it, the connector stores the chunks), then reordered twice:
+opted out of reuse (``kv_transfer_params={"blend": false}``: vLLM's own prefill, the reference)
+and blended at ``--ratio``. It prints, per dtype, how many greedy answers are identical and where
+the others first differ. Prefix caching is off, so every reference token is vLLM's computation.
+
+``--against-prefix-cache`` measures how closely vLLM equals itself instead: prefix caching on, every
+request opted out, each reordered prompt served twice; the second run reads vLLM's own cached
+blocks and computes only the tokens past the last full block, as a blended request leaves vLLM
+its last token. The blended answers can be no closer to a cold prefill than that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from lmcache_backend.examples import builtin_examples, reordered
+    from lmcache_backend.segmenting import build_blend_prompt
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = []
+    for ex in builtin_examples(args.prompts):
+        first = build_blend_prompt(tok, ex.system, ex.chunks, ex.question).token_ids
+        again = build_blend_prompt(
+            tok, ex.system, reordered(ex.chunks, seed=1), ex.question
+        ).token_ids
+        prompts.append((ex.id, first, again))
+    kv = KVTransferConfig(
+        kv_connector="CacheBlendConnector",
+        kv_connector_module_path="lmcache_backend.integration.vllm.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"enable_blending": True, "blend_min_tokens": 32},
+    )
+    llm = LLM(
+        model=model,
+        dtype=dtype,
+        kv_transfer_config=kv,
+        enable_prefix_caching=args.against_prefix_cache,
+        enforce_eager=True,
+        max_model_len=4096,
+        seed=0,
+    )
+
+    def run(ids, max_tokens, **params):
+        extra = {"kv_transfer_params": params} if params else None
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=extra)
+        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+    rows = []
+    try:
+        for pid, first, again in prompts:
+            if args.against_prefix_cache:
+                ref, _ = run(again, args.max_tokens, blend=False)
+                got, cached = run(again, args.max_tokens, blend=False)
+            else:
+                run(first, 1)
+                ref, _ = run(again, args.max_tokens, blend=False)
+                got, cached = run(again, args.max_tokens, blend_recompute_ratios=[args.ratio])
+            diverge = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+            if diverge is None and len(ref) != len(got):
+                diverge = min(len(ref), len(got))
+            rows.append(
+                {
+                    "id": pid,
+                    "tokens": len(again),
+                    "claimed": cached == len(again) - 1,
+                    "cached_tokens": cached,
+                    "identical": diverge is None,
+                    "first_difference": diverge,
+                }
+            )
+            print(json.dumps({"dtype": dtype, **rows[-1]}), flush=True)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    agree = sum(r["identical"] for r in rows)
+    return {
+        "dtype": dtype,
+        "reference": "prefix-cache hit vs cold" if args.against_prefix_cache else "opted out",
+        "ratio": None if args.against_prefix_cache else args.ratio,
+        "identical": f"{agree}/{len(rows)}",
+        "claimed": f"{sum(r['claimed'] for r in rows)}/{len(rows)}",
+        "max_tokens": args.max_tokens,
+        "prompt_tokens_mean": sum(r["tokens"] for r in rows) / max(len(rows), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the embedded model")
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--ratio", type=float, default=1.0)
+    parser.add_argument(
+        "--against-prefix-cache",
+        action="store_true",
+        help="vLLM against itself: a prefix-cache hit vs a cold prefill (no blending)",
+    )
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = args.model
+    if model is None:
+        from lmcache_backend.embedded import embedded_model_path
+
+        model = str(embedded_model_path())
+    results = [_run_dtype(model, dtype, args) for dtype in args.dtype]
+    print("SUMMARY " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
