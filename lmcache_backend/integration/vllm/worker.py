@@ -108,6 +108,27 @@ class _PagedWriter:
             rows = slice(self.start, self.stop)
             self.layout.write(self.caches[layer_id], keys[rows], values[rows], self.slots)
 
+    def write_rows(
+        self, layer_id: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write ``keys``/``values`` ``[N, Hkv, D]`` of the token indices ``rows [N]``."""
+        if rows.numel() and int(rows[0]) < self.start:  # tokens already in vLLM's prefix cache
+            keep = rows >= self.start
+            rows, keys, values = rows[keep], keys[keep], values[keep]
+        if rows.numel():
+            slots = self.slots[rows.cpu() - self.start]
+            self.layout.write(self.caches[layer_id], keys, values, slots)
+
+    def attention(
+        self, layer_id: int, q: torch.Tensor, positions: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V."""
+        plan = self._plan
+        if plan is None or not torch.equal(plan.positions, positions.cpu()):
+            plan = self._plan = self._attention.plan(positions, self.block_ids)
+        self.paged_layers += 1
+        return self._attention(self.caches[layer_id], q, plan, scale)
+
 
 def _tp_consistent_ops(ops: Ops) -> Ops:
     """Ops whose check-layer selection agrees across tensor-parallel ranks.
