@@ -163,6 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead: where a blended request's time goes in vLLM, per prompt size, against "
+        "full prefill on the same engine (python -m lmcache_backend.bench.profile; takes "
+        "--repeats and --sweep-tokens)",
+    )
 
 
 def strategies_from_args(args: argparse.Namespace) -> list[Strategy]:
@@ -294,5 +301,15 @@ def main(args: argparse.Namespace) -> int:
     # Threads beyond the cores make CPU runs far slower; follow OMP_NUM_THREADS when set.
     threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    if args.profile:
+        from lmcache_backend.bench import profile
+
+        argv = ["--repeats", str(args.repeats)]
+        if args.sweep_tokens:
+            argv += ["--sizes", ",".join(str(t) for t in args.sweep_tokens)]
+        if args.json:
+            argv += ["--json", args.json]
+        profile.main(argv)
+        return 0
     run(args)
     return 0

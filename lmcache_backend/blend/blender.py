@@ -34,6 +34,7 @@ from lmcache_backend.blend.selection import (
     query_attention_mass,
     value_weighted,
 )
+from lmcache_backend.blend.timing import NO_TIMER
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.models.base import ModelAdapter
 from lmcache_backend.ops import Ops, get_ops
@@ -47,11 +48,38 @@ logger = logging.getLogger(__name__)
 _LAST_RESORT = -torch.finfo(torch.float32).max
 
 
+#: profile names of each layer kind's phases (``blend_layer``)
+_PHASE_NAMES = {p: (f"{p}: rest", f"{p}: attention") for p in ("full", "check", "selected")}
+
+
 class KVLayerWriter(Protocol):
     """Receives each layer's blended K/V as soon as it is final (e.g. into a paged cache)."""
 
     def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """``keys``, ``values``: ``[T, Hkv, D]`` for every token of the request."""
+
+
+class PagedKV(KVLayerWriter, Protocol):
+    """A writer that also serves attention over what it wrote (an engine's paged cache).
+
+    When ``paged_attention`` is true for the request, the blender writes each layer's rows as
+    soon as they are known (all cached rows of every layer once, then the computed rows of each
+    layer) and calls :meth:`attention` instead of the op registry's ``attention_at_positions``:
+    no per-layer copy of the whole prompt's K/V is attended over or written back.
+    """
+
+    paged_attention: bool
+
+    def write_rows(
+        self, layer_id: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """``keys``, ``values``: ``[N, Hkv, D]`` of the token indices ``rows [N]``."""
+
+    def attention(
+        self, layer_id: int, q: torch.Tensor, positions: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q [N, Hq, D]`` at sorted ``positions [N]`` over the written keys ``0..p`` of each
+        query -> ``[N, Hq, D]``."""
 
 
 @dataclass
@@ -73,11 +101,11 @@ class BlendMetadata:
             attention mass as the attention sink).
         query_attention: ``[T]`` fp32 attention mass from the query tokens accumulated over the
             layers up to the last check layer, for the query-aware selections; else None.
-        preloaded: per layer ``([T, Hkv, D], [T, Hkv, D])`` cached K/V already retrieved and
-            re-rotated (by a ``query_preview`` pass), used instead of retrieving again.
         task: the retrieval, or None when nothing is reused.
         cached_prefix: per-layer ``[P, Hkv, D]`` K and V of tokens ``0..P-1`` that were
             computed at their current positions (e.g. already in the engine's paged cache).
+        cached_kv: ``[L, T, Hkv, D]`` K and V of every layer (retrieved, prefix filled in,
+            keys re-rotated), once the first layer needs them.
         keys, values: blended ``[T, Hkv, D]`` per finished layer.
         token_layers: sum over layers of the number of tokens computed.
         fallback_reason: why the request runs as a full prefill, or None when it blends.
@@ -92,8 +120,8 @@ class BlendMetadata:
     query_start: int = 0
     exact_prefix: int = 0
     query_attention: torch.Tensor | None = None
-    preloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
+    cached_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     token_layers: int = 0
@@ -173,6 +201,8 @@ class LMCBlender:
         self.retriever = SPTBlendRetriever(
             separator, cache_engine, model.fingerprint, device=model.device, dtype=model.dtype
         )
+        #: phase timer (:class:`~lmcache_backend.blend.timing.PhaseTimer`); off by default
+        self.timer = NO_TIMER
 
     # -- request set-up -------------------------------------------------------------------
 
@@ -202,6 +232,7 @@ class LMCBlender:
             raise ValueError("LMCBlender: the prompt holds no tokens")
         device = self.model.device
         task = self.retriever.new_request(token_list, None)
+        self.timer.lap("lookup")
         valid = task.valid_mask.clone()
         if cached_prefix is not None:
             prefix_len = cached_prefix[0][0].shape[0] if len(cached_prefix[0]) else 0
@@ -269,43 +300,66 @@ class LMCBlender:
 
     # -- one layer ------------------------------------------------------------------------
 
-    def _cached_layer(
-        self, layer_id: int, meta: BlendMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Retrieved ``[T, Hkv, D]`` K/V of ``layer_id``, keys re-rotated to the new positions."""
-        if meta.preloaded is not None:
-            return meta.preloaded[layer_id]
-        model, num_tokens = self.model, meta.positions.numel()
-        res = meta.task.result(layer_id)
-        original = res.original_positions
-        if res.k is None:  # no store hit: only the cached prefix is reused
-            shape = (num_tokens, model.num_kv_heads, model.head_dim)
+    def _cached_layers(self, meta: BlendMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's retrieved K/V, ``[L, T, Hkv, D]`` each, keys re-rotated to the new
+        positions; built once per request (on first use) and kept in ``meta.cached_kv``."""
+        if meta.cached_kv is not None:
+            return meta.cached_kv
+        model, num_tokens, layers = self.model, meta.positions.numel(), self.model.num_layers
+        heads, dim = model.num_kv_heads, model.head_dim
+        shape = (layers, num_tokens, heads, dim)
+        stacked = meta.task.stacked(layers)
+        if stacked is None:  # no store hit: only the cached prefix is reused
             keys = torch.zeros(shape, dtype=model.dtype, device=model.device)
             values = torch.zeros_like(keys)
         else:
-            keys = res.k.view(num_tokens, model.num_kv_heads, model.head_dim)
-            values = res.v.view(num_tokens, model.num_kv_heads, model.head_dim)
+            keys, values = stacked[0].view(shape), stacked[1].view(shape)
+        original = meta.task.original_positions
         if meta.cached_prefix is not None:
-            prefix_k, prefix_v = meta.cached_prefix[0][layer_id], meta.cached_prefix[1][layer_id]
-            n = prefix_k.shape[0]
-            keys[:n] = prefix_k.reshape(n, model.num_kv_heads, model.head_dim)
-            values[:n] = prefix_v.reshape(n, model.num_kv_heads, model.head_dim)
+            prefix_k, prefix_v = meta.cached_prefix
+            n = prefix_k[0].shape[0]
+            for layer in range(layers):
+                keys[layer, :n] = prefix_k[layer].reshape(n, heads, dim)
+                values[layer, :n] = prefix_v[layer].reshape(n, heads, dim)
             original = original.clone()
             original[:n] = meta.positions[:n]
-        moved = torch.nonzero(
-            meta.valid_mask & (original != meta.positions), as_tuple=False
-        ).flatten()
-        if moved.numel():
-            rows = self.ops.gather_rows(keys, moved)
-            self.ops.rope_rerotate_k(
-                rows,
-                original[moved],
-                meta.positions[moved],
-                model.cos_sin_cache,
-                model.is_neox,
-            )
-            self.ops.scatter_rows(keys, moved, rows)
-        return keys, values
+        self.timer.lap("load")
+        moved = meta.valid_mask & (original != meta.positions)
+        adapter_op = getattr(model, "rope_rerotate_k", None)  # the engine's own kernel
+        if adapter_op is not None and self.ops.name == "torch":
+            if bool(moved.any()):
+                # every row of every layer at once; a row that did not move turns by angle 0
+                old = torch.where(moved, original, meta.positions)
+                adapter_op(
+                    keys.view(layers * num_tokens, heads, dim),
+                    old.repeat(layers),
+                    meta.positions.repeat(layers),
+                )
+        else:
+            rows = torch.nonzero(moved, as_tuple=False).flatten()
+            if rows.numel():
+                # one call for all layers: a token's angle does not depend on the layer, so the
+                # layers are extra heads of a [M, L * Hkv, D] view
+                picked = keys[:, rows].transpose(0, 1).contiguous()
+                self.ops.rope_rerotate_k(
+                    picked.view(rows.numel(), layers * heads, dim),
+                    original[rows],
+                    meta.positions[rows],
+                    model.cos_sin_cache,
+                    model.is_neox,
+                )
+                keys[:, rows] = picked.transpose(0, 1)
+        self.timer.lap("rerotate")
+        meta.cached_kv = (keys, values)
+        return meta.cached_kv
+
+    def _cached_layer(
+        self, layer_id: int, meta: BlendMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Retrieved ``[T, Hkv, D]`` K/V of ``layer_id``, keys re-rotated to the new positions:
+        views into the request's :meth:`_cached_layers` (the blend scatters into them)."""
+        keys, values = self._cached_layers(meta)
+        return keys[layer_id], values[layer_id]
 
     def _accumulate_query_attention(
         self,
@@ -439,13 +493,26 @@ class LMCBlender:
     ) -> Generator[int, None, torch.Tensor]:
         """Every layer for ``meta``'s active tokens, yielding each finished layer id; returns the
         last layer's hidden states ``[N, hidden]``. ``query_mass`` (``[T]`` fp32), when given,
-        receives the value-weighted attention mass from the query tokens at every layer."""
-        model = self.model
+        receives the value-weighted attention mass from the query tokens at every layer.
+
+        With a :class:`PagedKV` writer whose ``paged_attention`` is on, each layer's rows go into
+        the engine's paged cache and attention runs there; otherwise attention runs on the op
+        registry's ``attention_at_positions`` and the writer receives each finished layer."""
+        model, timer = self.model, self.timer
         hidden = model.embed(token_ids[meta.active.cpu()])  # all tokens unless a fixed selection
+        first_check = min(meta.schedule, default=model.num_layers)
+        paged = bool(getattr(writer, "paged_attention", False))
+        cached_written = False
         for layer in range(model.num_layers):
+            phase = (
+                "full" if layer < first_check else "check" if layer in meta.schedule else "selected"
+            )
+            rest, attention = _PHASE_NAMES[phase]
             x = model.attention_input(layer, hidden)
             q, k, v = model.qkv(layer, x, meta.positions[meta.active])
+            timer.lap(rest)
             q, keys, values, hidden, _, meta = self.process_qkv(q, k, v, hidden, layer, None, meta)
+            timer.lap("select and blend")
             positions = meta.positions[meta.active]
             if query_mass is not None:
                 rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
@@ -453,11 +520,36 @@ class LMCBlender:
                     self.ops.gather_rows(q, rows), keys, positions[rows], model.attn_scale
                 )
                 query_mass += value_weighted(mass, values)
-            attn = self.ops.attention_at_positions(q, keys, values, positions, model.attn_scale)
+                timer.lap("select and blend")
+            if paged:
+                if meta.cached_kv is not None and not cached_written:
+                    # every cached row of this layer and the later ones, once
+                    every = torch.arange(keys.shape[0], device=keys.device)
+                    for later in range(layer, model.num_layers):
+                        cached_k, cached_v = self._cached_layer(later, meta)
+                        writer.write_rows(later, every, cached_k, cached_v)
+                    cached_written = True
+                elif layer in meta.schedule:  # a later check layer: the kept rows
+                    rows = meta.active
+                    writer.write_rows(
+                        layer,
+                        rows,
+                        self.ops.gather_rows(keys, rows),
+                        self.ops.gather_rows(values, rows),
+                    )
+                else:  # the computed rows
+                    writer.write_rows(layer, meta.active, k, v)
+                timer.lap("write-back")
+                attn = writer.attention(layer, q, positions, model.attn_scale)
+            else:
+                attn = self.ops.attention_at_positions(q, keys, values, positions, model.attn_scale)
+            timer.lap(attention)
             hidden = hidden + model.attention_output(layer, attn)
             hidden = model.mlp_block(layer, hidden)
-            if writer is not None:
+            timer.lap(rest)
+            if writer is not None and not paged:
                 writer.write_layer(layer, keys, values)
+                timer.lap("write-back")
             yield layer
         return hidden
 
@@ -469,7 +561,8 @@ class LMCBlender:
         attention outputs (attention mass times value norm, summed over layers) are recomputed
         in every layer of the blend that follows. ``meta`` is
         switched to that fixed selection in place and keeps the preview's re-rotated cached K/V
-        (the blend would compute the same rows again) and its token-layers.
+        (``cached_kv``: the blend would retrieve the same rows again; the rows the preview
+        computed are active again and overwritten) and its token-layers.
         """
         valid = meta.valid_mask
         preview_rows = ~valid
@@ -497,7 +590,7 @@ class LMCBlender:
         chosen[-1] = True
         meta.active = torch.nonzero(chosen, as_tuple=False).flatten()
         meta.schedule = {}
-        meta.preloaded = list(zip(preview.keys, preview.values))
+        meta.cached_kv = preview.cached_kv
         meta.token_layers = preview.token_layers
 
     @torch.no_grad()
@@ -510,13 +603,16 @@ class LMCBlender:
         """Run the request layer by layer, yielding each finished layer id; the generator's
         return value (``StopIteration.value``) is the :class:`BlendResult`. ``request`` takes
         :meth:`start_request`'s keyword arguments (``cached_prefix``, ``recompute``)."""
+        self.timer.mark()
         meta = self.start_request(tokens, mask, **request)
         token_ids = torch.as_tensor(tokens, dtype=torch.int64)
         if self.config.blend_selection == QUERY_PREVIEW and meta.schedule:
             self._preview_selection(meta, token_ids)
         hidden = yield from self._run_layers(meta, token_ids, self.gpu_connector)
+        logits = self.model.logits(hidden[-1:])[0]
+        self.timer.lap("logits")
         return BlendResult(
-            logits=self.model.logits(hidden[-1:])[0],
+            logits=logits,
             keys=meta.keys,
             values=meta.values,
             valid_mask=meta.valid_mask.cpu(),

@@ -64,6 +64,31 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
             v[start : start + n] = kv.values[layer_id].reshape(n, width).to(self.device, self.dtype)
         return BlendRetrieverResult(k, v, self.valid_mask, self.original_positions)
 
+    def stacked(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer's cached K and V at once, ``[L, T, Hkv*D]`` each (rows of uncached
+        tokens are zero), or None without hits.
+
+        One contiguous copy per hit and layer instead of one allocation and copy of the whole
+        prompt per layer.
+        """
+        if not self.hits:
+            return None
+        _, first = self.hits[0]
+        width = first.keys.shape[2] * first.keys.shape[3]
+        shape = (num_layers, self.num_tokens, width)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
+        for start, kv in self.hits:
+            n = kv.num_tokens
+            k[:, start : start + n] = kv.keys.reshape(num_layers, n, width)
+            v[:, start : start + n] = kv.values.reshape(num_layers, n, width)
+        gaps = ~self.valid_mask
+        if bool(gaps.any()):
+            gaps = gaps.to(self.device)
+            k[:, gaps] = 0
+            v[:, gaps] = 0
+        return k, v
+
 
 class SPTBlendRetriever(BlendRetriever):
     """Retriever of the segments of a prompt the store holds (never its query tail).

@@ -109,6 +109,18 @@ def vllm_fingerprint(vllm_config: Any) -> ModelFingerprint:
     )
 
 
+def _cpu_rotary_op() -> Any:
+    """vLLM's ``_custom_ops`` when it has the CPU rotary op, else None."""
+    try:
+        from vllm import _custom_ops
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    if not current_platform.is_cpu() or not hasattr(_custom_ops, "rotary_embedding"):
+        return None
+    return _custom_ops
+
+
 def _check_rotary(arch: str, attn: Any, rotary: Any) -> None:
     """Refuse attention whose positional encoding is not one rotation per position.
 
@@ -180,6 +192,7 @@ class VLLMModelAdapter(ModelAdapter):
         # on first use), and normalized to a pure rotation: YaRN-style tables carry an attention
         # factor that re-rotation must not apply twice.
         self.cos_sin_cache = pure_rotation_table(rotary._compute_cos_sin_cache()).to(self.device)
+        self._delta_cache: torch.Tensor | None = None
         hf = vllm_config.model_config.hf_config
         self.max_exact_tokens = sliding_window_span(hf)
         self._fingerprint = vllm_fingerprint(vllm_config)
@@ -249,6 +262,38 @@ class VLLMModelAdapter(ModelAdapter):
             k.view(n, self.num_kv_heads, self.head_dim),
             v.reshape(n, self.num_kv_heads, self.head_dim),
         )
+
+    def rope_rerotate_k(
+        self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor
+    ) -> torch.Tensor:
+        """In place: keys ``[T, H, D]`` (any number of heads, e.g. layers x heads) rotated at
+        ``old_positions`` moved to ``new_positions``, through vLLM's own rotary op on CPU.
+
+        Moving by ``new - old`` is RoPE at position ``new - old``; the op indexes a table of
+        angle differences ``-(P-1)..P-1`` (``sin`` negated for negative ones) in the model dtype,
+        as vLLM's forward RoPE does. About 100x faster than the fp32 torch reference here (2.5 ms
+        against 200+ ms for 1,000 tokens x 30 layers); results agree within one bf16 rounding.
+        Falls back to the reference off CPU or for other layouts.
+        """
+        from lmcache_backend.ops.reference import rope_rerotate_k
+
+        ops = _cpu_rotary_op()
+        if ops is None or k.device.type != "cpu" or not k.is_contiguous() or k.dim() != 3:
+            return rope_rerotate_k(
+                k, old_positions, new_positions, self.cos_sin_cache, self.is_neox
+            )
+        if self._delta_cache is None or self._delta_cache.dtype != k.dtype:
+            cs = self.cos_sin_cache
+            half = cs.shape[-1] // 2
+            past = cs[1:].flip(0)
+            negative = torch.cat([past[:, :half], -past[:, half:]], dim=-1)
+            self._delta_cache = torch.cat([negative, cs]).to(k.dtype).contiguous()
+        offset = self.cos_sin_cache.shape[0] - 1
+        delta = (new_positions.long() - old_positions.long() + offset).to(k.device)
+        ops.rotary_embedding(
+            delta, k.view(k.shape[0], -1), None, k.shape[-1], self._delta_cache, self.is_neox
+        )
+        return k
 
     def attention_output(self, layer: int, attn: torch.Tensor) -> torch.Tensor:
         o_proj = self._layers[layer].self_attn.o_proj

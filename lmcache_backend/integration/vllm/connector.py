@@ -139,6 +139,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
+        self._worker.finish_step()
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()

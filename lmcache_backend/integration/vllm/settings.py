@@ -21,7 +21,13 @@ from lmcache_backend.config import BlendConfig, ConfigError, load_config
 logger = logging.getLogger(__name__)
 
 #: ``kv_connector_extra_config`` keys that belong to vLLM's side, not to :class:`BlendConfig`.
-CONNECTOR_KEYS = ("instance_id", "stats_file", "allow_untested_versions", "verify_on_start")
+CONNECTOR_KEYS = (
+    "instance_id",
+    "stats_file",
+    "allow_untested_versions",
+    "verify_on_start",
+    "profile",
+)
 
 #: ``kv_transfer_params`` keys a request may set.
 REQUEST_KEYS = ("blend", "blend_recompute_ratios", "blend_check_layers", "blend_selection")
@@ -43,6 +49,7 @@ class ConnectorSettings:
         verify_on_start: run ``lmcache-backend verify``'s model checks once when the worker is
             ready and log the result (see :mod:`lmcache_backend.verify`).
         num_layers: the model's decoder layers (a request's check layers must exist).
+        profile: time the phases of each blended request (``BlendRecord.profile``).
     """
 
     config: BlendConfig
@@ -53,6 +60,7 @@ class ConnectorSettings:
     allow_untested_versions: bool
     verify_on_start: bool = False
     num_layers: int | None = None
+    profile: bool = False
 
     def rank_instance(self, rank: int) -> str:
         """Index id of one rank (the same on the scheduler and on that rank's worker)."""
@@ -102,6 +110,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         allow_untested_versions=bool(own.get("allow_untested_versions", False)),
         verify_on_start=_flag("verify_on_start", own.get("verify_on_start", False)),
         num_layers=num_layers,
+        profile=_flag("profile", own.get("profile", False)),
     )
 
 

@@ -25,8 +25,11 @@ from typing import Any
 import torch
 
 from lmcache_backend.blend import LMCBlender, SegmentCache
+from lmcache_backend.blend.timing import NO_TIMER, PhaseTimer
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.integration.vllm.layouts import (
+    AttentionPlan,
+    CpuAttention,
     CpuLayout,
     FlashLayout,
     PagedLayout,
@@ -63,123 +66,68 @@ class BlendRecord:
     selected_digest: str = ""
     #: layers whose attention ran through vLLM's own paged attention op
     vllm_attention_layers: int = 0
+    #: milliseconds per phase (``profile: true`` only): the blender's phases, ``prefix read``
+    #: and ``vllm step`` (vLLM's own forward pass of the step that follows the blend)
+    profile: dict[str, float] | None = None
 
 
 class _PagedWriter:
     """The blender's per-layer sink: writes the claimed rows of each finished layer.
 
-    With ``attention`` (vLLM's own paged attention op, see :class:`_CpuPagedAttention`) it also
-    serves the blender's attention when the queries are the request's last tokens (a full
-    prefill, ratio 1.0, or the layers before the first check layer): the layer's K/V go into the
-    paged cache first and vLLM's kernel computes exactly what vLLM's own prefill computes.
+    With ``attention`` (vLLM's CPU paged-attention op) it also serves the blender's attention:
+    every row of a layer is written into the paged cache first, then the selected queries attend
+    over it there (:class:`~lmcache_backend.blend.blender.PagedKV`).
     """
 
     def __init__(
-        self, layout: PagedLayout, caches: list[torch.Tensor], attention: Any = None
+        self, layout: PagedLayout, caches: list[torch.Tensor], attention: CpuAttention | None
     ) -> None:
-        self.layout, self.caches, self.attention = layout, caches, attention
+        self.layout, self.caches, self._attention = layout, caches, attention
         self.slots = torch.empty(0, dtype=torch.int64)
         self.start = self.stop = 0
-        self.block_ids: list[int] | None = None
-        self.all_slots: torch.Tensor | None = None
-        self.num_tokens = 0
-        self.layer = 0
-        self.paged_layers = 0  # layers of the current request served by ``attention``
+        self.block_ids: torch.Tensor | None = None
+        self._plan: AttentionPlan | None = None
+        self.paged_layers = 0
 
     def target(
-        self,
-        slots: torch.Tensor,
-        start: int,
-        stop: int,
-        block_ids: list[int] | None = None,
-        all_slots: torch.Tensor | None = None,
-        num_tokens: int = 0,
+        self, slots: torch.Tensor, start: int, stop: int, block_ids: torch.Tensor | None = None
     ) -> None:
+        """Write tokens ``start..stop-1`` to ``slots`` (``[stop - start]``); with ``block_ids``
+        (the request's whole block table, ``stop`` its last token + 1) attend over them too."""
         self.slots, self.start, self.stop = slots, start, stop
-        self.block_ids, self.all_slots, self.num_tokens = block_ids, all_slots, num_tokens
-        self.layer = self.paged_layers = 0
+        self.block_ids = block_ids if self._attention is not None else None
+        self._plan = None
+        self.paged_layers = 0  # layers of the current request attended over the paged cache
+
+    @property
+    def paged_attention(self) -> bool:
+        return self.block_ids is not None
 
     def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.stop > self.start:
             rows = slice(self.start, self.stop)
             self.layout.write(self.caches[layer_id], keys[rows], values[rows], self.slots)
-        self.layer = layer_id + 1
 
-    def paged_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        q_positions: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor | None:
-        """vLLM's attention for queries that are the last ``Nq`` tokens; None otherwise."""
-        n, nq = keys.shape[0], q.shape[0]
-        if self.attention is None or self.all_slots is None or n != self.num_tokens or nq == 0:
-            return None
-        first = n - nq
-        # positions are sorted and distinct: the last Nq tokens iff they span first..n-1
-        if int(q_positions[0]) != first or int(q_positions[-1]) != n - 1:
-            return None
-        rows = slice(self.start, n)  # vLLM's prefix-cache rows are in place already
-        self.layout.write(
-            self.caches[self.layer], keys[rows], values[rows], self.all_slots[self.start : n]
-        )
+    def write_rows(
+        self, layer_id: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write ``keys``/``values`` ``[N, Hkv, D]`` of the token indices ``rows [N]``."""
+        if rows.numel() and int(rows[0]) < self.start:  # tokens already in vLLM's prefix cache
+            keep = rows >= self.start
+            rows, keys, values = rows[keep], keys[keep], values[keep]
+        if rows.numel():
+            slots = self.slots[rows.cpu() - self.start]
+            self.layout.write(self.caches[layer_id], keys, values, slots)
+
+    def attention(
+        self, layer_id: int, q: torch.Tensor, positions: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V."""
+        plan = self._plan
+        if plan is None or not torch.equal(plan.positions, positions.cpu()):
+            plan = self._plan = self._attention.plan(positions, self.block_ids)
         self.paged_layers += 1
-        return self.attention(self.caches[self.layer], q, first, n, self.block_ids, scale)
-
-
-class _CpuPagedAttention:
-    """vLLM's CPU attention op (``cpu_attention_with_kv_cache``) for one request whose queries
-    are its tokens ``first..n-1``, over the paged cache: the call vLLM's own prefill makes."""
-
-    def __init__(self, isa: str, block_size: int) -> None:
-        from vllm import _custom_ops as vllm_ops
-
-        self._ops, self._isa, self._block_size = vllm_ops, isa, block_size
-
-    def __call__(self, cache, q, first, n, block_ids, scale) -> torch.Tensor:
-        import vllm.envs as envs
-
-        num_blocks, num_kv_heads, block_size, _ = cache.shape
-        kv = cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
-        key_cache, value_cache = kv.chunk(2, dim=2)
-        nq, num_heads, head_dim = q.shape
-        query_start_loc = torch.tensor([0, nq], dtype=torch.int32)
-        seq_lens = torch.tensor([n], dtype=torch.int32)
-        blocks = -(-n // block_size)
-        block_table = torch.tensor([list(block_ids[:blocks])], dtype=torch.int32)
-        metadata = self._ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            seq_lens=seq_lens,
-            dtype=q.dtype,
-            query_start_loc=query_start_loc,
-            causal=True,
-            sliding_window_size=-1,
-            isa=self._isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        )
-        out = torch.empty_like(q)
-        self._ops.cpu_attention_with_kv_cache(
-            query=q.to(cache.dtype).contiguous(),
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=out,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            scale=scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=block_table,
-            softcap=0,
-            scheduler_metadata=metadata,
-            s_aux=None,
-        )
-        return out
+        return self._attention(self.caches[layer_id], q, plan, scale)
 
 
 def _tp_consistent_ops(ops: Ops) -> Ops:
@@ -228,6 +176,9 @@ class WorkerSide:
         self.stored_segments = 0
         # request -> [T] bool: rows blended from the store (not vLLM's prefix); read by save()
         self._reused: dict[str, torch.Tensor] = {}
+        self.timer = PhaseTimer() if settings.profile else NO_TIMER
+        self._pending: list[BlendRecord] = []  # profiled, waiting for the step's end
+        self._loads_done = 0.0
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -338,33 +289,29 @@ class WorkerSide:
         k_cache, _ = FlashLayout.split(cache)
         return FlashLayout(int(k_cache.shape[1]), self._ops())
 
-    def _make_attention(self) -> Any:
-        """vLLM's own attention op where this package can call it (CPU, one block size)."""
-        if not isinstance(self.layout, CpuLayout) or self.model.max_exact_tokens is not None:
+    def _make_attention(self) -> CpuAttention | None:
+        """vLLM's CPU paged attention for the blender, where the layout and build allow it."""
+        if not isinstance(self.layout, CpuLayout) or not CpuAttention.available():
+            return None
+        if self.model.max_exact_tokens is not None:  # sliding window: the blender falls back
             return None
         if int(self.caches[0].shape[2]) != self.block_size:
             return None
+        import vllm.envs as envs
+
         layer = self.vllm_config.compilation_config.static_forward_context[self.layer_names[0]]
-        try:
-            return _CpuPagedAttention(str(layer.isa), self.block_size)
-        except (ImportError, AttributeError) as exc:  # pragma: no cover - other vLLM builds
-            logger.info("CacheBlend: vLLM's CPU attention op unavailable (%s)", exc)
-            return None
+        return CpuAttention(
+            str(layer.isa),
+            self.model.num_heads,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.caches[0].dtype,
+            bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
+        )
 
     def _ops(self) -> Ops:
-        from dataclasses import replace
-
         ops = get_ops(self.settings.config.backend)
-        ops = _tp_consistent_ops(ops) if self.settings.tp_size > 1 else ops
-        writer, reference = self._writer, ops.attention_at_positions
-        if writer is None or writer.attention is None:
-            return ops
-
-        def attention(q, k, v, q_positions, scale):
-            out = writer.paged_attention(q, k, v, q_positions, scale)
-            return reference(q, k, v, q_positions, scale) if out is None else out
-
-        return replace(ops, attention_at_positions=attention)
+        return _tp_consistent_ops(ops) if self.settings.tp_size > 1 else ops
 
     def _blender(self, spec: LoadSpec) -> LMCBlender:
         config: BlendConfig = self.settings.config
@@ -387,6 +334,7 @@ class WorkerSide:
                 self._ops(),
                 score_reducer=_tp_sum if self.settings.tp_size > 1 else None,
             )
+            self._blenders[key].timer = self.timer
         return self._blenders[key]
 
     # -- loads ----------------------------------------------------------------------------
@@ -404,20 +352,17 @@ class WorkerSide:
         """Blend ``spec``'s prompt and write tokens ``prefix_len..end-1`` into its blocks."""
         self._ensure_ready()
         started = time.perf_counter()
-        slots = slots_for(spec.block_ids, self.block_size, 0, spec.end)
+        self.timer.start()
+        n = num_tokens = len(spec.token_ids)
+        # attention over the paged cache needs every row there, the last token's too (vLLM
+        # rewrites that one in its own forward pass)
+        attend = len(spec.block_ids) * self.block_size >= num_tokens
+        stop = num_tokens if attend else spec.end
+        slots = slots_for(spec.block_ids, self.block_size, 0, stop)
         prefix = self._read_all_layers(slots[: spec.prefix_len]) if spec.prefix_len else None
-        n = len(spec.token_ids)
-        all_slots = None
-        if len(spec.block_ids) * self.block_size >= n:
-            all_slots = slots_for(spec.block_ids, self.block_size, 0, n)
-        self._writer.target(
-            slots[spec.prefix_len :],
-            spec.prefix_len,
-            spec.end,
-            block_ids=list(spec.block_ids),
-            all_slots=all_slots,
-            num_tokens=n,
-        )
+        self.timer.lap("prefix read")
+        block_ids = torch.as_tensor(spec.block_ids, dtype=torch.int64) if attend else None
+        self._writer.target(slots[spec.prefix_len :], spec.prefix_len, stop, block_ids)
         result = self._blender(spec).blend(spec.token_ids, cached_prefix=prefix)
         paged_layers = self._writer.paged_layers
         self._writer.target(torch.empty(0, dtype=torch.int64), 0, 0)
@@ -444,8 +389,23 @@ class WorkerSide:
             ).hexdigest()[:16],
             vllm_attention_layers=paged_layers,
         )
-        self._report(record)
+        if self.settings.profile:
+            record.profile = self.timer.milliseconds()
+            self._pending.append(record)
+            self._loads_done = time.perf_counter()
+        else:
+            self._report(record)
         return record
+
+    def finish_step(self) -> None:
+        """After the step's forward pass: report the profiled records with vLLM's step time."""
+        if not self._pending:
+            return
+        step_ms = (time.perf_counter() - self._loads_done) * 1000.0
+        for record in self._pending:
+            record.profile["vllm step"] = round(step_ms, 3)
+            self._report(record)
+        self._pending = []
 
     def _report(self, record: BlendRecord) -> None:
         self.records.append(record)

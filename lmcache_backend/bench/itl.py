@@ -1,0 +1,117 @@
+"""What a running decode stream sees while another prompt is blended, in one vLLM engine.
+
+``python -m lmcache_backend.bench.itl [--tokens 2000] [--ratio 0.15]`` starts one vLLM engine
+with the CacheBlend connector, stores the chunks of a ~``--tokens`` RAG prompt, starts a decode
+stream (a short prompt, greedy, ``--stream-tokens`` tokens) and, while it runs, sends the RAG
+prompt reordered with a new question: once blended (CacheBlend at ``--ratio``), once as a full
+prefill (the request opts out). It prints the stream's inter-token latency: the median while
+nothing else runs, and the longest gap while the other prompt is prefilled, with both prompts'
+time to first token.
+
+Blending runs before the step's forward pass, in the step that schedules the claimed prompt, so
+the stream's gap in that step is about the blend's time plus one decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2000, help="size of the blended prompt")
+    parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument("--stream-tokens", type=int, default=120)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from lmcache_backend.bench.profile import _prompts
+    from lmcache_backend.config import load_config
+    from lmcache_backend.embedded import embedded_model_path
+
+    path = str(embedded_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    llm = LLM(
+        model=path,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="CacheBlendConnector",
+            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
+            kv_role="kv_both",
+        ),
+        enable_prefix_caching=False,
+        enforce_eager=args.eager,
+        max_model_len=8192,
+        seed=0,
+    )
+    engine = llm.llm_engine
+    warm, asked = _prompts(tok, args.tokens, 2 * args.repeats + 1, load_config().blend_special_str)
+    one = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {}})
+    llm.generate([{"prompt_token_ids": warm}], one, use_tqdm=False)  # stores the chunks
+    stream_ids = tok.encode("Write a long story about a lighthouse keeper and the sea.")
+    counter = iter(range(10**6))
+
+    def sampling(max_tokens: int, params: dict) -> SamplingParams:
+        return SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params},
+        )
+
+    def one_run(ids, params) -> dict:
+        stream, other = f"stream-{next(counter)}", f"other-{next(counter)}"
+        engine.add_request(
+            stream, {"prompt_token_ids": stream_ids}, sampling(args.stream_tokens, {"blend": False})
+        )
+        stamps: list[float] = []
+        sent_at = first_at = None
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                if out.request_id == stream and out.outputs and out.outputs[0].token_ids:
+                    stamps.append(now)
+                elif out.request_id == other and first_at is None:
+                    first_at = now
+            if sent_at is None and len(stamps) == args.stream_tokens // 2:
+                engine.add_request(other, {"prompt_token_ids": ids}, sampling(1, params))
+                sent_at = time.perf_counter()
+        gaps = [b - a for a, b in zip(stamps[:-1], stamps[1:])]
+        mid = args.stream_tokens // 2
+        quiet = gaps[5 : mid - 2] + gaps[mid + 3 :]
+        return {
+            "itl_quiet_ms": 1000 * statistics.median(quiet),
+            "itl_max_while_prefilling_ms": 1000 * max(gaps[mid - 2 : mid + 3]),
+            "other_ttft_ms": 1000 * (first_at - sent_at) if first_at else float("nan"),
+        }
+
+    rows = {"CacheBlend": [], "full prefill": []}
+    for i in range(args.repeats):
+        rows["CacheBlend"].append(
+            one_run(asked[2 * i + 1], {"blend_recompute_ratios": [args.ratio]})
+        )
+        rows["full prefill"].append(one_run(asked[2 * i + 2], {"blend": False}))
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"\n{len(asked[1])}-token prompt sent into a running decode stream (load {load}):")
+    for name, runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(
+            f"  {name:<13} stream ITL {med['itl_quiet_ms']:6.1f} ms quiet, "
+            f"{med['itl_max_while_prefilling_ms']:7.1f} ms longest gap; "
+            f"prompt TTFT {med['other_ttft_ms']:7.1f} ms"
+        )
+    engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Where a blended request's time goes, and what it costs against full prefill, in one vLLM engine.
+
+``python -m lmcache_backend.bench.profile [--sizes 1000,2000,4000] [--repeats 3]`` (also
+``lmcache-backend bench --profile``) starts one vLLM engine with the CacheBlend connector
+(``profile: true``, prefix caching off) and, per prompt size:
+
+1. stores the chunks of a RAG prompt with one question (a full prefill);
+2. asks the prompt with the chunks reordered and a *new question every request*, rounds of
+   full prefill (the request opts out, ``{"blend": false}``), naive reuse (ratio 0) and
+   CacheBlend at each ``--ratios``, interleaved;
+3. prints the medians of the time to first token (a one-token request, as a client sees it), each
+   strategy's ratio to full prefill, the marginal cost of a recomputed token-layer, and the blend
+   path's phases (from the worker's timers) for the first CacheBlend ratio.
+
+Every number comes from the same engine, so full prefill and CacheBlend run on the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+#: the blend path's phases, in the order they run (``BlendRecord.profile`` keys)
+PHASES = (
+    ("prefix read", "read of vLLM's prefix-cache hits"),
+    ("lookup", "segment lookup (hashing, store index)"),
+    ("load", "cached K/V of the hits, per layer"),
+    ("rerotate", "cached keys re-rotated to their new positions"),
+    ("full: rest", "layers before the first check layer, all tokens: all but attention"),
+    ("full: attention", "  ... their attention"),
+    ("check: rest", "check layers: all but attention"),
+    ("check: attention", "  ... their attention"),
+    ("select and blend", "deviation, top-k, scatter of fresh rows"),
+    ("selected: rest", "layers after the check: selected tokens, all but attention"),
+    ("selected: attention", "  ... their attention"),
+    ("write-back", "blended K/V into vLLM's paged cache"),
+    ("logits", "last token's logits"),
+    ("vllm step", "vLLM's own forward pass of the last token, sampling"),
+)
+
+
+def _prompts(tok, size: int, rounds: int, separator: str):
+    """The warm-up prompt and ``rounds`` reordered prompts with new questions, ~``size`` tokens."""
+    from lmcache_backend.examples import builtin_examples, reordered
+    from lmcache_backend.segmenting import build_blend_prompt
+
+    per_k = max(1, round(size / 1000))
+    chunks_n = min(12, 6 * per_k)  # a profile is ~180 tokens
+    repeat = max(1, round(6 * per_k / chunks_n))
+    ex = builtin_examples(1, chunks_per_example=chunks_n, seed=size)[0]
+    chunks = [" ".join([c] * repeat) for c in ex.chunks]
+    asked = reordered(chunks, seed=1)
+
+    def ids(parts, question):
+        return build_blend_prompt(tok, ex.system, parts, question, separator).token_ids
+
+    warm = ids(chunks, "Which of these people was born first?")
+    return warm, [ids(asked, f"{ex.question} (request {i})") for i in range(rounds)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000,2000,4000", help="prompt sizes in tokens")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per size")
+    parser.add_argument(
+        "--ratios", default="0.15,0.3", help="CacheBlend ratios (the first one is profiled)"
+    )
+    parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
+
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from lmcache_backend.config import load_config
+    from lmcache_backend.embedded import embedded_model_path
+
+    path = str(embedded_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    layers = int(AutoConfig.from_pretrained(path).num_hidden_layers)
+    separator = load_config().blend_special_str
+    stats = os.path.join(tempfile.mkdtemp(prefix="lmcache-profile-"), "stats.jsonl")
+    llm = LLM(
+        model=path,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="CacheBlendConnector",
+            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"stats_file": stats, "profile": True},
+        ),
+        enable_prefix_caching=False,
+        enforce_eager=args.eager,
+        max_model_len=8192,
+        seed=0,
+    )
+
+    def records() -> list[dict]:
+        try:
+            with open(stats, encoding="utf-8") as fh:
+                return [json.loads(line) for line in fh.read().splitlines()]
+        except OSError:
+            return []
+
+    def ask(ids, params):
+        sp = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": params})
+        before = len(records())
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        ttft = time.perf_counter() - start
+        new = records()[before:]
+        return ttft, (new[-1] if new else None)
+
+    modes = [("full prefill", {"blend": False}), ("naive reuse", {"blend_recompute_ratios": [0.0]})]
+    modes += [(f"CacheBlend {r:g}", {"blend_recompute_ratios": [r]}) for r in ratios]
+    profiled = f"CacheBlend {ratios[0]:g}"
+    med = statistics.median
+    results = []
+    for size in sizes:
+        warm, asked = _prompts(tok, size, args.repeats + 1, separator)
+        ask(warm, {"blend": False})  # computes and stores the chunks
+        times: dict[str, list[float]] = {name: [] for name, _ in modes}
+        token_layers: dict[str, list[float]] = {name: [] for name, _ in modes}
+        phases: list[dict] = []
+        for i, ids in enumerate(asked):  # round 0 warms this shape up, untimed
+            for name, params in modes:
+                ttft, rec = ask(ids, params)
+                if i == 0:
+                    continue
+                times[name].append(ttft)
+                fraction = rec["token_layer_fraction"] if rec else 1.0
+                token_layers[name].append(fraction * len(ids) * layers)
+                if name == profiled and rec and rec.get("profile"):
+                    phases.append(rec["profile"])
+        n = len(asked[0])
+        full = med(times["full prefill"])
+        row = {
+            "prompt_tokens": n,
+            "load_average": os.getloadavg(),
+            "ttft_ms": {k: round(1000 * med(v), 1) for k, v in times.items()},
+            "ratio_to_full": {k: round(med(v) / full, 3) for k, v in times.items()},
+            "token_layer_fraction": {
+                k: round(med(v) / (n * layers), 3) for k, v in token_layers.items()
+            },
+            "full_us_per_token_layer": round(1e6 * full / (n * layers), 2),
+        }
+        if len(ratios) > 1:
+            lo, hi = f"CacheBlend {ratios[0]:g}", f"CacheBlend {ratios[-1]:g}"
+            extra = med(token_layers[hi]) - med(token_layers[lo])
+            if extra > 0:
+                row["marginal_us_per_token_layer"] = round(
+                    1e6 * (med(times[hi]) - med(times[lo])) / extra, 2
+                )
+        if phases:
+            keys = {k for p in phases for k in p}
+            row["phases_ms"] = {k: round(med(p.get(k, 0.0) for p in phases), 2) for k in keys}
+        results.append(row)
+        _print(row, profiled)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=1)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _print(row: dict, profiled: str) -> None:
+    load = ", ".join(f"{x:.2f}" for x in row["load_average"])
+    print(f"\n== {row['prompt_tokens']} prompt tokens (load average {load})")
+    for name, ms in row["ttft_ms"].items():
+        frac = row["token_layer_fraction"][name]
+        ratio = row["ratio_to_full"][name]
+        print(f"  {name:<16} TTFT {ms:8.1f} ms  {ratio:5.2f}x of full   token-layers {frac:.0%}")
+    line = f"  full prefill: {row['full_us_per_token_layer']:.1f} us per token-layer"
+    if "marginal_us_per_token_layer" in row:
+        m = row["marginal_us_per_token_layer"]
+        line += f"; marginal cost of a recomputed token-layer: {m:.1f} us"
+        line += f" ({m / row['full_us_per_token_layer']:.2f}x)"
+    print(line)
+    phases = row.get("phases_ms")
+    if not phases:
+        return
+    print(f"  {profiled}, phases (median ms):")
+    known = [name for name, _ in PHASES]
+    for name, what in PHASES:
+        if name in phases:
+            print(f"    {name:<20} {phases[name]:8.2f}   {what}")
+    for name in sorted(set(phases) - set(known)):
+        print(f"    {name:<20} {phases[name]:8.2f}")
+    blend = sum(v for k, v in phases.items() if k != "vllm step")
+    print(f"    {'sum':<20} {blend + phases.get('vllm step', 0.0):8.2f}")
+
+
+if __name__ == "__main__":
+    main()
