@@ -15,7 +15,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="server: RAG chats through vLLM's OpenAI server with the connector (default); "
         "hf: the HF-transformers engine in this process",
     )
-    parser.add_argument("--ratio", type=float, default=0.15, help="CacheBlend recompute ratio")
+    parser.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help="CacheBlend recompute ratio (default: the configured blend_recompute_ratios)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     server = parser.add_argument_group("--engine server")

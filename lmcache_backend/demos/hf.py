@@ -135,7 +135,12 @@ def run_demo(
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run_demo(args.ratio, args.check_layer, args.repeats, args.max_new_tokens, args.example)
+    ratio = args.ratio
+    if ratio is None:
+        from lmcache_backend.config import load_config
+
+        ratio = load_config().blend_recompute_ratios[-1]
+    result = run_demo(ratio, args.check_layer, args.repeats, args.max_new_tokens, args.example)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)

@@ -343,14 +343,21 @@ def _print_row(index: int, row: ChatRow, out) -> None:
 
 
 def run_demo(
-    ratio: float = 0.15,
+    ratio: float | None = None,
     examples: int = 3,
     chunk_repeat: int = 2,
     max_tokens: int = 24,
     out=sys.stdout,
 ) -> dict:
-    """Start the server, run the chats, stop the server; return the numbers."""
+    """Start the server, run the chats, stop the server; return the numbers. ``ratio`` None
+    keeps the configured settings (``LMCACHE_*``, the package defaults)."""
     from transformers import AutoTokenizer
+
+    from lmcache_backend.config import load_config
+
+    env = {} if ratio is None else {"LMCACHE_BLEND_RECOMPUTE_RATIOS": str(ratio)}
+    config = load_config(env={**os.environ, **env})
+    setting = f"{config.blend_selection}, ratio {config.blend_recompute_ratios[-1]:g}"
 
     from lmcache_backend.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
 
@@ -360,14 +367,14 @@ def run_demo(
         server = ServerProcess(
             # prefix caching off: the opted-out request is a full prefill of every token
             ["--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "4096"],
-            env={"LMCACHE_BLEND_RECOMPUTE_RATIOS": str(ratio)},
+            env=env,
             stats_file=Path(tmp) / "blend.jsonl",
             log_path=Path(tmp) / "server.log",
             model=model,
         )
         print(
             f"starting vLLM's OpenAI server with CacheBlendConnector on {server.base_url} "
-            f"({EMBEDDED_MODEL_NAME}, ratio {ratio:g}) ...",
+            f"({EMBEDDED_MODEL_NAME}, {setting}) ...",
             file=out,
             flush=True,
         )
@@ -386,13 +393,14 @@ def run_demo(
     matches = sum(r.matches for r in rows)
     print(
         f"\n{matches} of {len(rows)} CacheBlend answers match full prefill "
-        f"(ratio {ratio:g}; a 135M model is sensitive to approximate K/V)",
+        f"({setting}; a 135M model is sensitive to approximate K/V)",
         file=out,
     )
     print(f"CacheBlend speedup over full prefill (TTFT, median): {speedup:.2f}x", file=out)
     return {
         "model": EMBEDDED_MODEL_NAME,
-        "ratio": ratio,
+        "ratio": config.blend_recompute_ratios[-1],
+        "selection": config.blend_selection,
         "chats": [asdict(r) for r in rows],
         "cacheblend_speedup": speedup,
     }
