@@ -208,3 +208,12 @@ def test_reordered_chunks_keep_their_ids_sentencepiece(sp_tokenizer) -> None:
     pieces_a = _pieces(a.token_ids, a.segments)
     pieces_b = _pieces(b.token_ids, b.segments)
     assert pieces_a[1:-1] == pieces_b[1:-1][::-1]
+
+
+def test_chat_messages_put_one_separator_before_each_part() -> None:
+    from lmcache_backend.blend.segmenting import chat_messages
+
+    two = chat_messages("S", ["a", "b"], "Q?", " # # ")
+    assert two[1] == {"role": "user", "content": " # # a # # b # # Q?"}
+    none = chat_messages("S", [], "Q?", " # # ")
+    assert none == [{"role": "system", "content": "S"}, {"role": "user", "content": " # # Q?"}]

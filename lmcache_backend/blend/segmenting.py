@@ -212,7 +212,7 @@ def chat_messages(
     sep = blend_special_str
     return [
         {"role": "system", "content": system},
-        {"role": "user", "content": sep + sep.join(chunks) + sep + question},
+        {"role": "user", "content": sep + "".join(chunk + sep for chunk in chunks) + question},
     ]
 
 
