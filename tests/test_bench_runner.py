@@ -142,3 +142,20 @@ def test_bad_flags_stop_with_a_message(tmp_path, dataset):
     bad.write_text('{"id": "x"}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:1"):
         run(_parse("--dataset", str(bad), "--no-progress"), out=io.StringIO(), engine=FakeEngine())
+
+
+def test_repeats_zero_measures_quality_only(dataset):
+    engine = FakeEngine()
+    calls = []
+    prefill = engine.prefill
+    engine.prefill = lambda s, t, timed=True: calls.append(timed) or prefill(s, t, timed)
+    args = _parse("--dataset", str(dataset), "--repeats", "0", "--ratios", "0.75", "--gradual",
+                  "none", "--no-progress")  # fmt: skip
+    result = run(args, out=io.StringIO(), engine=engine)
+    assert calls and not any(calls)  # only the untimed quality pass ran
+    rows = {r["strategy"]: r for r in result["strategies"]}
+    assert rows["CacheBlend r=0.75"]["accuracy"] == 1.0 and rows["naive reuse"]["kl"] > 1.0
+    assert all(len(o["ttft_s"]) == 1 for c in result["examples"] for o in c["outcomes"])
+    with pytest.raises(SystemExit, match="--repeats must be >= 0"):
+        run(_parse("--dataset", str(dataset), "--repeats", "-1", "--no-progress"),
+            out=io.StringIO(), engine=FakeEngine())  # fmt: skip

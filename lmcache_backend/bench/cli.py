@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=3,
-        help="timed rounds per prompt, after one untimed run (default: 3)",
+        help="timed rounds per prompt, after one untimed run (default: 3; 0: quality only, "
+        "TTFT from the untimed runs)",
     )
     parser.add_argument(
         "--max-new-tokens", type=int, default=16, help="greedy answer length (default: 16)"
@@ -204,9 +205,10 @@ def _validate(args: argparse.Namespace, num_layers: int) -> None:
         raise SystemExit(
             f"bench: check layers {bad} do not exist (the model has layers 0..{num_layers - 1})"
         )
-    for name in ("repeats", "sweep_repeats"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"bench: --{name.replace('_', '-')} must be >= 1")
+    if args.repeats < 0:
+        raise SystemExit("bench: --repeats must be >= 0 (0: quality only)")
+    if args.sweep_repeats < 1:
+        raise SystemExit("bench: --sweep-repeats must be >= 1")
 
 
 def run(

@@ -73,6 +73,7 @@ def _untimed_pass(
         runs.append(run)
         outcome = StrategyOutcome(
             strategy=strategy.name,
+            ttft_s=[run.ttft_s],
             recomputed_tokens=run.recomputed_tokens,
             token_layers_frac=run.token_layers / (len(tokens) * num_layers),
             reused_tokens=run.reused_tokens,
@@ -106,6 +107,11 @@ def _timed_rounds(
     with full prefill's from the same round. The order rotates each round so that no strategy
     always runs right after another particular one."""
     n = len(strategies)
+    if repeats == 0 and outcomes:
+        full = outcomes[0].ttft_s
+        for outcome in outcomes:
+            outcome.ttft_ratio = median_ratio(outcome.ttft_s, full)
+        return
     for r in range(repeats):
         for i in range(n):
             j = (i + r) % n
@@ -131,14 +137,19 @@ def run_case(
     tick: Progress = lambda n: None,
 ) -> CaseResult:
     """Fill the caches from ``example`` in its original order, then answer it reordered with
-    every strategy: one untimed pass (quality), then ``repeats`` timed rounds."""
+    every strategy: one untimed pass (quality), then ``repeats`` timed rounds. ``repeats=0``
+    measures quality only; the TTFT columns then come from the untimed pass (first runs, not
+    a timing)."""
     _check_strategies(strategies)
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if repeats < 0:
+        raise ValueError(f"repeats must be >= 0, got {repeats}")
     pair = prompt_pair(engine.prompt_ids, example, seed)
     engine.reset()
     engine.warm(pair.warm_ids)
     outcomes = _untimed_pass(engine, strategies, pair, max_new_tokens, tick)
+    if repeats:
+        for outcome in outcomes:
+            outcome.ttft_s.clear()  # the untimed pass's first runs do not count
     _timed_rounds(engine, strategies, pair.asked_ids, outcomes, repeats, tick)
     return CaseResult(
         id=example.id,
