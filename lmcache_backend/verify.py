@@ -372,7 +372,9 @@ def verify_vllm(
                 shared = set(a) & set(b)
                 s["diffs"].append(max((abs(a[t] - b[t]) for t in shared), default=math.inf))
                 s["agree"] += int(list(out.outputs[0].token_ids) == row["reference"])
-                claimed = out.num_cached_tokens == len(again) - 1 and record is not None
+                claimed = record is not None and out.num_cached_tokens == (
+                    record["prefix_len"] + record["claimed"]
+                )
                 s["fb"].append(None if claimed else "not claimed by the connector")
                 if record is not None:
                     s["fb"][-1] = s["fb"][-1] or record["fallback_reason"]

@@ -312,3 +312,26 @@ def test_sliding_window_span() -> None:
     # a config that keeps the window but switches it off (transformers clears it; others may not)
     kept = SimpleNamespace(sliding_window=1024, use_sliding_window=False)
     assert sliding_window_span(kept) is None
+
+
+@pytest.mark.parametrize("selection", SELECTION_CHOICES)
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 1.0])
+def test_compute_end_leaves_the_tail_to_the_engine(tiny, selection, ratio) -> None:
+    """With ``compute_end`` (the vLLM connector's question tail), the blend selects the same
+    tokens, gives the same K/V for every token before it, computes no token after it once the
+    selection is final, and returns no logits."""
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(ratio,), selection=selection)
+    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    end = len(tokens) - len(Q2)
+    whole = blender.blend(tokens)
+    head = blender.blend(tokens, compute_end=end)
+    assert head.logits is None and whole.logits is not None
+    assert head.recomputed.tolist() == [i for i in whole.recomputed.tolist() if i < end]
+    assert head.token_layers < whole.token_layers
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(head.keys[layer][:end], whole.keys[layer][:end])
+        torch.testing.assert_close(head.values[layer][:end], whole.values[layer][:end])
+    with pytest.raises(ValueError, match="compute_end"):
+        blender.blend(tokens, compute_end=len(tokens) + 1)

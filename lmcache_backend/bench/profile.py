@@ -45,8 +45,8 @@ PHASES = (
 
 def _prompts(tok, size: int, rounds: int, separator: str):
     """The warm-up prompt and ``rounds`` reordered prompts with new questions, ~``size`` tokens."""
+    from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.examples import builtin_examples, reordered
-    from lmcache_backend.segmenting import build_blend_prompt
 
     per_k = max(1, round(size / 1000))
     chunks_n = min(12, 6 * per_k)  # a profile is ~180 tokens

@@ -12,6 +12,10 @@ One request, ``T`` tokens at positions ``0..T-1``:
    active query at position ``p`` attends keys ``0..p`` of them (exact causal mask);
 5. o_proj and MLP run for the active tokens only; the last token's logits come out at the end.
 
+An engine that computes the prompt's tail itself (the vLLM connector leaves it the question)
+passes ``compute_end``: once the selection is fixed, only active tokens before it are computed,
+and the blend produces the K/V of tokens ``0..compute_end-1`` and no logits.
+
 With fewer reusable tokens than ``blend_min_tokens`` (or a prompt longer than the model's exact
 attention span) the same loop runs with every token active: a full prefill, logged.
 """
@@ -109,6 +113,9 @@ class BlendMetadata:
         keys, values: blended ``[T, Hkv, D]`` per finished layer.
         token_layers: sum over layers of the number of tokens computed.
         fallback_reason: why the request runs as a full prefill, or None when it blends.
+        compute_end: tokens from this index on are the engine's to compute: dropped from
+            ``active`` once the selection is fixed (after the last check layer, or at once for a
+            fixed selection); None computes the whole prompt.
     """
 
     positions: torch.Tensor
@@ -126,6 +133,13 @@ class BlendMetadata:
     values: list[torch.Tensor] = field(default_factory=list)
     token_layers: int = 0
     fallback_reason: str | None = None
+    compute_end: int | None = None
+
+    def drop_tail(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (indices into ``active``) without the tokens left to the engine."""
+        if self.compute_end is None or self.task is None:
+            return rows
+        return rows[self.active[rows] < self.compute_end]
 
 
 @dataclass
@@ -133,7 +147,8 @@ class BlendResult:
     """What a blended (or fallen-back) prefill produced.
 
     Attributes:
-        logits: ``[vocab]`` fp32 logits of the last token.
+        logits: ``[vocab]`` fp32 logits of the last token; None when the blend stopped at a
+            ``compute_end`` (the engine computes the last token).
         keys, values: per layer ``[T, Hkv, D]`` blended K/V of every token, ready for decoding.
         valid_mask: ``[T]`` bool (CPU): tokens whose cached K/V was reused.
         recomputed: ``[N]`` int64 (CPU): tokens computed in the last layer.
@@ -142,7 +157,7 @@ class BlendResult:
         fallback_reason: why blending fell back to a full prefill, or None if it blended.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     valid_mask: torch.Tensor
@@ -213,6 +228,7 @@ class LMCBlender:
         *,
         cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
         recompute: torch.Tensor | None = None,
+        compute_end: int | None = None,
     ) -> BlendMetadata:
         """Look the request's segments up and decide whether to blend.
 
@@ -225,6 +241,8 @@ class LMCBlender:
             recompute: optional ``[T]`` bool: a fixed set of tokens recomputed in every layer
                 (e.g. EPIC's first tokens of each chunk) instead of the check-layer selection;
                 uncached tokens and the last token are added.
+            compute_end: leave tokens ``compute_end..T-1`` to the engine once the selection is
+                fixed (``1 <= compute_end <= T``); see :class:`BlendMetadata`.
         """
         token_list = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         num_tokens = len(token_list)
@@ -242,6 +260,8 @@ class LMCBlender:
                     f"{num_tokens} tokens, got {len(cached_prefix[0])} layers of {prefix_len}"
                 )
             valid[:prefix_len] = True
+        if compute_end is not None and not 1 <= compute_end <= num_tokens:
+            raise ValueError(f"compute_end must be in 1..{num_tokens}, got {compute_end}")
         for name, flags in (("mask", mask), ("recompute", recompute)):
             if flags is not None and flags.numel() != num_tokens:
                 raise ValueError(f"{name} has {flags.numel()} entries for {num_tokens} tokens")
@@ -270,7 +290,7 @@ class LMCBlender:
         reusable_at = torch.nonzero(valid, as_tuple=False).flatten()
         query_start = int(reusable_at[-1]) + 1 if reusable_at.numel() else 0
         exact_prefix = self._exact_prefix(task, cached_prefix)
-        return BlendMetadata(
+        meta = BlendMetadata(
             positions=torch.arange(num_tokens, device=device),
             active=active.to(device),
             valid_mask=valid.to(device),
@@ -281,7 +301,11 @@ class LMCBlender:
             task=task if num_reusable else None,
             cached_prefix=cached_prefix if num_reusable else None,
             fallback_reason=reason,
+            compute_end=compute_end,
         )
+        if recompute is not None:  # a fixed selection: the tail is the engine's from layer 0
+            meta.active = meta.active[meta.drop_tail(torch.arange(meta.active.numel()))]
+        return meta
 
     @staticmethod
     def _exact_prefix(
@@ -470,6 +494,8 @@ class LMCBlender:
             last = meta.active.numel() - 1
             if keep.numel() == 0 or int(keep[-1]) != last:  # the last token always stays
                 keep = torch.cat([keep, torch.tensor([last], device=keep.device)])
+            if layer_id == max(meta.schedule):  # the selection is final
+                keep = meta.drop_tail(keep)
             meta.active = meta.active[keep]
             q, k, v, residual = (self.ops.gather_rows(t, keep) for t in (q, k, v, residual))
             if attn_output is not None:
@@ -490,20 +516,35 @@ class LMCBlender:
         token_ids: torch.Tensor,
         writer: KVLayerWriter | None,
         query_mass: torch.Tensor | None = None,
-    ) -> Generator[int, None, torch.Tensor]:
+    ) -> Generator[int, None, torch.Tensor | None]:
         """Every layer for ``meta``'s active tokens, yielding each finished layer id; returns the
-        last layer's hidden states ``[N, hidden]``. ``query_mass`` (``[T]`` fp32), when given,
-        receives the value-weighted attention mass from the query tokens at every layer.
+        last layer's hidden states ``[N, hidden]`` (None when no token was active).
+        ``query_mass`` (``[T]`` fp32), when given, receives the value-weighted attention mass from
+        the query tokens at every layer.
 
         With a :class:`PagedKV` writer whose ``paged_attention`` is on, each layer's rows go into
         the engine's paged cache and attention runs there; otherwise attention runs on the op
         registry's ``attention_at_positions`` and the writer receives each finished layer."""
         model, timer = self.model, self.timer
-        hidden = model.embed(token_ids[meta.active.cpu()])  # all tokens unless a fixed selection
+        # all tokens unless a fixed selection (which may leave nothing before compute_end)
+        hidden = model.embed(token_ids[meta.active.cpu()]) if meta.active.numel() else None
         first_check = min(meta.schedule, default=model.num_layers)
         paged = bool(getattr(writer, "paged_attention", False))
         cached_written = False
         for layer in range(model.num_layers):
+            if meta.active.numel() == 0:
+                # nothing left to compute before compute_end: the layers hold the cached rows
+                keys, values = self._cached_layer(layer, meta)
+                meta.keys.append(keys)
+                meta.values.append(values)
+                if paged and not cached_written:
+                    self._write_cached_rows(writer, layer, meta)
+                    cached_written = True
+                elif writer is not None and not paged:
+                    writer.write_layer(layer, keys, values)
+                timer.lap("write-back")
+                yield layer
+                continue
             phase = (
                 "full" if layer < first_check else "check" if layer in meta.schedule else "selected"
             )
@@ -523,11 +564,7 @@ class LMCBlender:
                 timer.lap("select and blend")
             if paged:
                 if meta.cached_kv is not None and not cached_written:
-                    # every cached row of this layer and the later ones, once
-                    every = torch.arange(keys.shape[0], device=keys.device)
-                    for later in range(layer, model.num_layers):
-                        cached_k, cached_v = self._cached_layer(later, meta)
-                        writer.write_rows(later, every, cached_k, cached_v)
+                    self._write_cached_rows(writer, layer, meta)
                     cached_written = True
                 elif layer in meta.schedule:  # a later check layer: the kept rows
                     rows = meta.active
@@ -540,18 +577,32 @@ class LMCBlender:
                 else:  # the computed rows
                     writer.write_rows(layer, meta.active, k, v)
                 timer.lap("write-back")
-                attn = writer.attention(layer, q, positions, model.attn_scale)
+            if meta.active.numel() == 0:  # the check layer kept nothing before compute_end
+                hidden = None
             else:
-                attn = self.ops.attention_at_positions(q, keys, values, positions, model.attn_scale)
-            timer.lap(attention)
-            hidden = hidden + model.attention_output(layer, attn)
-            hidden = model.mlp_block(layer, hidden)
-            timer.lap(rest)
+                if paged:
+                    attn = writer.attention(layer, q, positions, model.attn_scale)
+                else:
+                    attn = self.ops.attention_at_positions(
+                        q, keys, values, positions, model.attn_scale
+                    )
+                timer.lap(attention)
+                hidden = hidden + model.attention_output(layer, attn)
+                hidden = model.mlp_block(layer, hidden)
+                timer.lap(rest)
             if writer is not None and not paged:
                 writer.write_layer(layer, keys, values)
                 timer.lap("write-back")
             yield layer
         return hidden
+
+    def _write_cached_rows(self, writer: PagedKV, first: int, meta: BlendMetadata) -> None:
+        """Every cached row of layers ``first..L-1`` into ``writer``, once per request (the
+        computed rows of each layer overwrite theirs as they come)."""
+        every = torch.arange(meta.positions.numel(), device=meta.positions.device)
+        for layer in range(first, self.model.num_layers):
+            cached_k, cached_v = self._cached_layer(layer, meta)
+            writer.write_rows(layer, every, cached_k, cached_v)
 
     def _preview_selection(self, meta: BlendMetadata, token_ids: torch.Tensor) -> None:
         """``query_preview``: choose the recomputed tokens before the blend.
@@ -565,11 +616,16 @@ class LMCBlender:
         computed are active again and overwritten) and its token-layers.
         """
         valid = meta.valid_mask
-        preview_rows = ~valid
-        preview_rows[-1] = True
+        ratio = list(meta.schedule.values())[-1]
+        count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
+        chosen = ~valid
+        chosen[-1] = True
+        if count == 0:  # naive reuse: nothing to choose, no preview
+            self._fix_selection(meta, chosen)
+            return
         preview = BlendMetadata(
             positions=meta.positions,
-            active=torch.nonzero(preview_rows, as_tuple=False).flatten(),
+            active=torch.nonzero(chosen, as_tuple=False).flatten(),
             valid_mask=valid,
             num_reusable=meta.num_reusable,
             schedule={},
@@ -583,15 +639,19 @@ class LMCBlender:
         if self.score_reducer is not None:
             mass = self.score_reducer(mass)
         mass[: meta.exact_prefix] = _LAST_RESORT
-        ratio = list(meta.schedule.values())[-1]
-        count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
-        chosen = torch.zeros_like(valid)
         chosen[select_topk_with_invalid(mass, valid, count)] = True
-        chosen[-1] = True
-        meta.active = torch.nonzero(chosen, as_tuple=False).flatten()
-        meta.schedule = {}
         meta.cached_kv = preview.cached_kv
         meta.token_layers = preview.token_layers
+        self._fix_selection(meta, chosen)
+
+    @staticmethod
+    def _fix_selection(meta: BlendMetadata, chosen: torch.Tensor) -> None:
+        """Switch ``meta`` to the fixed selection ``chosen`` (``[T]`` bool), recomputed in every
+        layer; tokens from ``compute_end`` on are left to the engine."""
+        if meta.compute_end is not None:
+            chosen[meta.compute_end :] = False
+        meta.active = torch.nonzero(chosen, as_tuple=False).flatten()
+        meta.schedule = {}
 
     @torch.no_grad()
     def blend_layer(
@@ -602,15 +662,18 @@ class LMCBlender:
     ) -> Generator[int, None, BlendResult]:
         """Run the request layer by layer, yielding each finished layer id; the generator's
         return value (``StopIteration.value``) is the :class:`BlendResult`. ``request`` takes
-        :meth:`start_request`'s keyword arguments (``cached_prefix``, ``recompute``)."""
+        :meth:`start_request`'s keyword arguments (``cached_prefix``, ``recompute``,
+        ``compute_end``)."""
         self.timer.mark()
         meta = self.start_request(tokens, mask, **request)
         token_ids = torch.as_tensor(tokens, dtype=torch.int64)
         if self.config.blend_selection == QUERY_PREVIEW and meta.schedule:
             self._preview_selection(meta, token_ids)
         hidden = yield from self._run_layers(meta, token_ids, self.gpu_connector)
-        logits = self.model.logits(hidden[-1:])[0]
-        self.timer.lap("logits")
+        logits = None
+        if meta.compute_end is None or meta.task is None:
+            logits = self.model.logits(hidden[-1:])[0]
+            self.timer.lap("logits")
         return BlendResult(
             logits=logits,
             keys=meta.keys,
@@ -629,9 +692,10 @@ class LMCBlender:
         **kwargs: Any,
     ) -> BlendResult:
         """Run CacheBlend for one request; see the module docstring. ``kwargs`` may hold
-        :meth:`start_request`'s ``cached_prefix`` and ``recompute``; other keys (LMCache passes
-        KV buffers this way) are ignored."""
-        request = {k: kwargs[k] for k in ("cached_prefix", "recompute") if k in kwargs}
+        :meth:`start_request`'s ``cached_prefix``, ``recompute`` and ``compute_end``; other keys
+        (LMCache passes KV buffers this way) are ignored."""
+        keys = ("cached_prefix", "recompute", "compute_end")
+        request = {k: kwargs[k] for k in keys if k in kwargs}
         steps = self.blend_layer(tokens, mask, **request)
         while True:
             try:

@@ -1,17 +1,19 @@
 """Does ratio 1.0 reproduce vLLM's own prefill? Greedy answers of one engine, blended vs opted out.
 
 ``python -m lmcache_backend.integration.vllm.agreement [--model PATH] [--dtype bfloat16 float32]
-[--prompts 16] [--max-tokens 24] [--ratio 1.0]`` serves the built-in RAG prompts (3 to 6 chunks,
-about 1,100 tokens with SmolLM2) through vLLM with the CacheBlend connector: each prompt once in
-its original order (vLLM prefills it, the connector stores the chunks), then reordered twice:
-opted out of reuse (``kv_transfer_params={"blend": false}``: vLLM's own prefill, the reference)
-and blended at ``--ratio``. It prints, per dtype, how many greedy answers are identical and where
-the others first differ. Prefix caching is off, so every reference token is vLLM's computation.
+[--dataset dev] [--prompts 16] [--max-tokens 24] [--ratio 1.0]`` serves RAG prompts (the dev set's
+first ``--prompts`` by default, ``--dataset builtin`` for the built-in ones) through vLLM with the
+CacheBlend connector: each example's chunks once in their original order with another question
+(vLLM prefills it, the connector stores the chunks), then reordered with the example's own question
+twice: opted out of reuse (``kv_transfer_params={"blend": false}``: vLLM's own prefill, the
+reference) and blended at ``--ratio``. It prints, per dtype, how many greedy answers are
+identical and where the others first differ. Prefix caching is off, so every reference token
+is vLLM's computation.
 
 ``--against-prefix-cache`` measures how closely vLLM equals itself instead: prefix caching on, every
 request opted out, each reordered prompt served twice; the second run reads vLLM's own cached
 blocks and computes only the tokens past the last full block, as a blended request leaves vLLM
-its last token. The blended answers can be no closer to a cold prefill than that.
+its question. The blended answers can be no closer to a cold prefill than that.
 """
 
 from __future__ import annotations
@@ -26,17 +28,21 @@ def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from lmcache_backend.blend.segmenting import build_blend_prompt
-    from lmcache_backend.examples import builtin_examples, reordered
+    from lmcache_backend.bench.dataset import load_dataset, prompt_pair
+    from lmcache_backend.blend.segmenting import build_blend_prompt, separator_pattern
 
     tok = AutoTokenizer.from_pretrained(model)
+    tail = separator_pattern(tok, " # # ").query_start
+
+    def build(system, chunks, question):
+        return build_blend_prompt(tok, system, chunks, question).token_ids
+
+    dataset = None if args.dataset == "builtin" else args.dataset
+    examples = load_dataset(dataset, count=args.prompts)[: args.prompts]
     prompts = []
-    for ex in builtin_examples(args.prompts):
-        first = build_blend_prompt(tok, ex.system, ex.chunks, ex.question).token_ids
-        again = build_blend_prompt(
-            tok, ex.system, reordered(ex.chunks, seed=1), ex.question
-        ).token_ids
-        prompts.append((ex.id, first, again))
+    for ex in examples:
+        pair = prompt_pair(build, ex, seed=1)
+        prompts.append((ex.id, pair.warm_ids, pair.asked_ids))
     kv = KVTransferConfig(
         kv_connector="CacheBlendConnector",
         kv_connector_module_path="lmcache_backend.integration.vllm.connector",
@@ -76,7 +82,8 @@ def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
                 {
                     "id": pid,
                     "tokens": len(again),
-                    "claimed": cached == len(again) - 1,
+                    # the connector provides every token before the question
+                    "claimed": cached == tail(again) > 0,
                     "cached_tokens": cached,
                     "identical": diverge is None,
                     "first_difference": diverge,
@@ -101,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--dataset", default="dev", help="dev (default), builtin or a JSONL file")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--ratio", type=float, default=1.0)

@@ -2,8 +2,10 @@
 
 A prompt is claimed when the segments after vLLM's own prefix hit that the store holds, plus that
 prefix, give at least ``blend_min_tokens`` reusable tokens. The claim covers the prompt up to its
-last token, loaded synchronously (vLLM runs a synchronous load before the step's forward pass); the
-last token is computed by vLLM itself, over the blended K/V, and gives the first output token.
+query tail (the question and the assistant header, after the last separator), loaded
+synchronously (vLLM runs a synchronous load before the step's forward pass). The tail is never
+cached: vLLM computes it in its own forward pass, over the blended K/V, and its last token gives
+the first output token.
 Nothing claimed: vLLM prefills normally, and the workers store the prompt's segments afterwards.
 
 The lookup is the store's cross-process index (:func:`lmcache_backend.storage.create_lookup`),
@@ -80,7 +82,8 @@ class SchedulerSide:
         return hits
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` the connector provides (0 or up to the last)."""
+        """Tokens beyond ``num_computed_tokens`` the connector provides (0, or up to the query
+        tail)."""
         rid = request.request_id
         self._claims.pop(rid, None)
         tokens = list(request.prompt_token_ids or [])
@@ -90,7 +93,8 @@ class SchedulerSide:
             self.settings.num_layers,
             rid,
         )
-        end = len(tokens) - 1
+        # vLLM computes the query tail, at least the last token (it gives the first output token)
+        end = min(self.settings.separator.query_start(tokens), len(tokens) - 1)
         if config is None or end <= num_computed_tokens:
             return 0
         self.stats.requests += 1

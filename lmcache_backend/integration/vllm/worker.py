@@ -112,8 +112,9 @@ class _PagedWriter:
         self, layer_id: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
         """Write ``keys``/``values`` ``[N, Hkv, D]`` of the token indices ``rows [N]``."""
-        if rows.numel() and int(rows[0]) < self.start:  # tokens already in vLLM's prefix cache
-            keep = rows >= self.start
+        if rows.numel() and (int(rows[0]) < self.start or int(rows[-1]) >= self.stop):
+            # tokens already in vLLM's prefix cache, or beyond the rows this request writes
+            keep = (rows >= self.start) & (rows < self.stop)
             rows, keys, values = rows[keep], keys[keep], values[keep]
         if rows.numel():
             slots = self.slots[rows.cpu() - self.start]
@@ -354,8 +355,9 @@ class WorkerSide:
         started = time.perf_counter()
         self.timer.start()
         n = num_tokens = len(spec.token_ids)
-        # attention over the paged cache needs every row there, the last token's too (vLLM
-        # rewrites that one in its own forward pass)
+        # Attention over the paged cache needs every row there, the query tail's too: the check
+        # layers before the selection is final compute the tail (vLLM rewrites those rows when
+        # it computes the tail in its own forward pass, after the blend).
         attend = len(spec.block_ids) * self.block_size >= num_tokens
         stop = num_tokens if attend else spec.end
         slots = slots_for(spec.block_ids, self.block_size, 0, stop)
@@ -363,7 +365,9 @@ class WorkerSide:
         self.timer.lap("prefix read")
         block_ids = torch.as_tensor(spec.block_ids, dtype=torch.int64) if attend else None
         self._writer.target(slots[spec.prefix_len :], spec.prefix_len, stop, block_ids)
-        result = self._blender(spec).blend(spec.token_ids, cached_prefix=prefix)
+        result = self._blender(spec).blend(
+            spec.token_ids, cached_prefix=prefix, compute_end=spec.end
+        )
         paged_layers = self._writer.paged_layers
         self._writer.target(torch.empty(0, dtype=torch.int64), 0, 0)
         reused = result.valid_mask.clone()
@@ -381,7 +385,8 @@ class WorkerSide:
             num_reusable=result.num_reusable,
             recomputed_reusable=result.recomputed_reusable,
             recompute_fraction=result.recomputed_reusable / max(result.num_reusable, 1),
-            token_layer_fraction=result.token_layers / (n * layers),
+            # vLLM computes tokens end..n-1 in every layer after the blend
+            token_layer_fraction=(result.token_layers + (n - spec.end) * layers) / (n * layers),
             fallback_reason=result.fallback_reason,
             blend_ms=(time.perf_counter() - started) * 1000.0,
             selected_digest=hashlib.sha256(
