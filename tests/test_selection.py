@@ -142,14 +142,17 @@ def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch
     favoured = [17, 40, 41, 77, 90, 101, 110, 120, 130, 140, 141, 142, 143, 20, 25, 30]
     count = int(0.1 * query_start)
 
-    def fake_mass(q, k, positions, scale):
+    real = blender_module.attention_with_query_mass
+
+    def fake_mass(q, k, v, positions, scale, rows):
+        out, _ = real(q, k, v, positions, scale, rows)
         # ranks 100x apart: the value-norm weighting cannot reorder them
         mass = torch.zeros(k.shape[0])
         mass[system] = 1e36
         mass[favoured] = 100.0 ** torch.arange(len(favoured), 0, -1, dtype=torch.float32)
-        return mass
+        return out, mass
 
-    monkeypatch.setattr(blender_module, "query_attention_mass", fake_mass)
+    monkeypatch.setattr(blender_module, "attention_with_query_mass", fake_mass)
     result = blender.blend(tokens)
     query = list(range(query_start, len(tokens)))
     assert result.recomputed.tolist() == sorted(favoured[:count]) + query
@@ -167,3 +170,27 @@ def test_query_preview_is_closer_to_full_prefill_than_naive_reuse(llama) -> None
         _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
         errors[selection] = float((blender.blend(tokens).logits - full).abs().max())
     assert errors["query_preview"] < errors["kv_deviation"]
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
+def test_attention_with_query_mass_matches_the_separate_ops(heads) -> None:
+    """The preview's fused op: the same output as the exact-mask attention reference and the
+    same mass as query_attention_mass of the query rows (fp32 math, tolerance 1e-5)."""
+    from lmcache_backend.blend.selection import attention_with_query_mass, query_attention_mass
+    from lmcache_backend.ops.reference import attention_at_positions
+
+    g = torch.Generator().manual_seed(3)
+    hq, hkv = heads
+    t = 40
+    positions = torch.tensor([3, 7, 8, 20, 33, 37, 38, 39])
+    q = torch.randn(len(positions), hq, 16, generator=g)
+    k = torch.randn(t, hkv, 16, generator=g)
+    v = torch.randn(t, hkv, 16, generator=g)
+    rows = torch.tensor([4, 5, 6])
+    out, mass = attention_with_query_mass(q, k, v, positions, 0.25, rows)
+    torch.testing.assert_close(out, attention_at_positions(q, k, v, positions, 0.25))
+    expected = query_attention_mass(q[rows], k, positions[rows], 0.25)
+    torch.testing.assert_close(mass, expected)
+    assert float(mass[39]) == 0.0  # after every query row's position (33, 37, 38)
+    # every query row and head contributes one distribution
+    assert abs(float(mass.sum()) - len(rows) * hq) < 1e-4

@@ -30,6 +30,8 @@ PHASES = (
     ("lookup", "segment lookup (hashing, store index)"),
     ("load", "cached K/V of the hits, per layer"),
     ("rerotate", "cached keys re-rotated to their new positions"),
+    ("preview: rest", "query_preview: the question over the cached K/V, all but attention"),
+    ("preview: attention", "  ... its attention and the attention mass it gives each token"),
     ("full: rest", "layers before the first check layer, all tokens: all but attention"),
     ("full: attention", "  ... their attention"),
     ("check: rest", "check layers: all but attention"),
@@ -39,7 +41,7 @@ PHASES = (
     ("selected: attention", "  ... their attention"),
     ("write-back", "blended K/V into vLLM's paged cache"),
     ("logits", "last token's logits"),
-    ("vllm step", "vLLM's own forward pass of the last token, sampling"),
+    ("vllm step", "vLLM's own forward pass of the question, sampling"),
 )
 
 

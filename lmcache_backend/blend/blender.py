@@ -35,6 +35,7 @@ from lmcache_backend.blend.selection import (
     QUERY_PREVIEW,
     SCORERS,
     CheckInputs,
+    attention_with_query_mass,
     query_attention_mass,
     value_weighted,
 )
@@ -53,7 +54,9 @@ _LAST_RESORT = -torch.finfo(torch.float32).max
 
 
 #: profile names of each layer kind's phases (``blend_layer``)
-_PHASE_NAMES = {p: (f"{p}: rest", f"{p}: attention") for p in ("full", "check", "selected")}
+_PHASE_NAMES = {
+    p: (f"{p}: rest", f"{p}: attention") for p in ("full", "check", "selected", "preview")
+}
 
 
 class KVLayerWriter(Protocol):
@@ -546,7 +549,13 @@ class LMCBlender:
                 yield layer
                 continue
             phase = (
-                "full" if layer < first_check else "check" if layer in meta.schedule else "selected"
+                "preview"
+                if query_mass is not None
+                else "full"
+                if layer < first_check
+                else "check"
+                if layer in meta.schedule
+                else "selected"
             )
             rest, attention = _PHASE_NAMES[phase]
             x = model.attention_input(layer, hidden)
@@ -555,13 +564,6 @@ class LMCBlender:
             q, keys, values, hidden, _, meta = self.process_qkv(q, k, v, hidden, layer, None, meta)
             timer.lap("select and blend")
             positions = meta.positions[meta.active]
-            if query_mass is not None:
-                rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
-                mass = query_attention_mass(
-                    self.ops.gather_rows(q, rows), keys, positions[rows], model.attn_scale
-                )
-                query_mass += value_weighted(mass, values)
-                timer.lap("select and blend")
             if paged:
                 if meta.cached_kv is not None and not cached_written:
                     self._write_cached_rows(writer, layer, meta)
@@ -580,7 +582,13 @@ class LMCBlender:
             if meta.active.numel() == 0:  # the check layer kept nothing before compute_end
                 hidden = None
             else:
-                if paged:
+                if query_mass is not None:  # the preview: attention and the query's mass at once
+                    rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
+                    attn, mass = attention_with_query_mass(
+                        q, keys, values, positions, model.attn_scale, rows
+                    )
+                    query_mass += value_weighted(mass, values)
+                elif paged:
                     attn = writer.attention(layer, q, positions, model.attn_scale)
                 else:
                     attn = self.ops.attention_at_positions(

@@ -129,6 +129,48 @@ def query_attention_mass(
     return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
 
 
+def attention_with_query_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    query_rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact-mask attention and, from the same probabilities, the mass the query rows put on
+    each key: ``query_preview``'s pass computes both at every layer, in one go.
+
+    Args:
+        q: ``[N, Hq, D]`` queries at sorted ``q_positions [N]``; ``k``, ``v``: ``[T, Hkv, D]``
+            (row ``j`` is position ``j``; ``Hq`` a multiple of ``Hkv``).
+        scale: softmax scale.
+        query_rows: ``[M]`` int64 rows of ``q`` whose attention mass is summed.
+
+    Returns:
+        ``([N, Hq, D]`` attention output in ``q.dtype``, ``[T]`` fp32 mass: what
+        :func:`lmcache_backend.ops.reference.attention_at_positions` and
+        :func:`query_attention_mass` of ``q[query_rows]`` give, fp32 math.)
+    """
+    n, num_heads, dim = q.shape
+    num_keys, kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // kv_heads
+    if n == 0:
+        return q.new_empty(0, num_heads, v.shape[-1]), torch.zeros(num_keys, device=k.device)
+    # grouped-query heads side by side: head h reads KV head h // group
+    qf = q.float().view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
+    logits = torch.bmm(qf, k.float().permute(1, 2, 0)) * scale  # [Hkv, N * group, T]
+    key_pos = torch.arange(num_keys, device=k.device)
+    future = key_pos[None, :] > q_positions.to(k.device)[:, None]  # [N, T]
+    logits = logits.view(kv_heads, n, group, num_keys).masked_fill(
+        future[None, :, None, :], float("-inf")
+    )
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.bmm(probs.view(kv_heads, -1, num_keys), v.float().transpose(0, 1))
+    out = out.view(kv_heads, n, group, -1).permute(1, 0, 2, 3).reshape(n, num_heads, -1)
+    mass = probs[:, query_rows.to(k.device)].sum(dim=(0, 1, 2))
+    return out.to(q.dtype), mass
+
+
 def value_weighted(mass: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``mass [Nk]`` times each token's value norm (``values [Nk, Hkv, D]``, mean over heads):
     how much the token can move the attention output, not only how much it is attended to.
