@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from lmcache_backend.embedded import embedded_model_path
