@@ -33,6 +33,7 @@ SELECTION_CHOICES = (
     "query_attention",
     "query_kv_deviation",
     "query_preview",
+    "query_preview_last",
 )
 
 

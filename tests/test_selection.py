@@ -11,9 +11,10 @@ from test_blender import C1, C2, C3, Q1, Q2, SEP, SYS, _prompt, _setup, _tiny_mo
 
 from lmcache_backend.blend.selection import (
     NEEDS_QUERY_ATTENTION,
-    QUERY_PREVIEW,
+    PREVIEW_SELECTIONS,
     SCORERS,
     CheckInputs,
+    query_and_last_scores,
     query_attention_mass,
     value_weighted,
 )
@@ -32,7 +33,7 @@ def _inputs(query_attention=None) -> CheckInputs:
 
 
 def test_every_configurable_selection_has_a_scorer() -> None:
-    assert set(SCORERS) | {QUERY_PREVIEW} == set(SELECTION_CHOICES)
+    assert set(SCORERS) | PREVIEW_SELECTIONS == set(SELECTION_CHOICES)
     assert NEEDS_QUERY_ATTENTION <= set(SELECTION_CHOICES)
 
 
@@ -145,12 +146,12 @@ def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch
     real = blender_module.attention_with_query_mass
 
     def fake_mass(q, k, v, positions, scale, rows):
-        out, _ = real(q, k, v, positions, scale, rows)
+        out, _, last = real(q, k, v, positions, scale, rows)
         # ranks 100x apart: the value-norm weighting cannot reorder them
         mass = torch.zeros(k.shape[0])
         mass[system] = 1e36
         mass[favoured] = 100.0 ** torch.arange(len(favoured), 0, -1, dtype=torch.float32)
-        return out, mass
+        return out, mass, last
 
     monkeypatch.setattr(blender_module, "attention_with_query_mass", fake_mass)
     result = blender.blend(tokens)
@@ -187,10 +188,47 @@ def test_attention_with_query_mass_matches_the_separate_ops(heads) -> None:
     k = torch.randn(t, hkv, 16, generator=g)
     v = torch.randn(t, hkv, 16, generator=g)
     rows = torch.tensor([4, 5, 6])
-    out, mass = attention_with_query_mass(q, k, v, positions, 0.25, rows)
+    out, mass, last = attention_with_query_mass(q, k, v, positions, 0.25, rows)
     torch.testing.assert_close(out, attention_at_positions(q, k, v, positions, 0.25))
     expected = query_attention_mass(q[rows], k, positions[rows], 0.25)
     torch.testing.assert_close(mass, expected)
+    torch.testing.assert_close(last, query_attention_mass(q[-1:], k, positions[-1:], 0.25))
     assert float(mass[39]) == 0.0  # after every query row's position (33, 37, 38)
     # every query row and head contributes one distribution
     assert abs(float(mass.sum()) - len(rows) * hq) < 1e-4
+
+
+def test_query_and_last_scores_add_each_mass_as_a_share_of_its_candidates_total() -> None:
+    query = torch.tensor([1.0, 3.0, 0.0, 4.0])
+    last = torch.tensor([0.0, 1.0, 1.0, 100.0])
+    candidates = torch.tensor([True, True, True, False])  # token 3 cannot be chosen
+    scores = query_and_last_scores(query, last, candidates)
+    torch.testing.assert_close(scores, query / 4 + last / 2)
+    assert int(scores[:3].argmax()) == 1  # read by both
+
+
+def test_query_preview_last_weights_the_last_tokens_reads(llama, monkeypatch) -> None:
+    """A token only the last token reads outranks tokens the other query tokens read a little
+    more: the last token's share counts as much as all the query tokens' together."""
+    import lmcache_backend.blend.blender as blender_module
+
+    real = blender_module.attention_with_query_mass
+
+    def fake(q, k, v, positions, scale, rows):
+        out, _, _ = real(q, k, v, positions, scale, rows)
+        mass, last = torch.zeros(k.shape[0]), torch.zeros(k.shape[0])
+        mass[[40, 80, 100, 60]] = torch.tensor([3.0, 2.5, 2.4, 2.0])
+        last[60] = 1.0  # only the last token reads token 60
+        return out, mass, last
+
+    monkeypatch.setattr(blender_module, "attention_with_query_mass", fake)
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    chosen = {}
+    for selection in ("query_preview", "query_preview_last"):
+        blender, cache = _setup(llama, ratios=(0.02,), selection=selection)
+        _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
+        result = blender.blend(tokens)
+        chosen[selection] = set(result.recomputed.tolist()) & {40, 60, 80, 100}
+    assert 1 <= len(chosen["query_preview"]) <= 3
+    assert 60 not in chosen["query_preview"] and 40 in chosen["query_preview"]
+    assert 60 in chosen["query_preview_last"]

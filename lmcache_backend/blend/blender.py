@@ -32,10 +32,12 @@ import torch
 from lmcache_backend.blend.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
 from lmcache_backend.blend.selection import (
     NEEDS_QUERY_ATTENTION,
-    QUERY_PREVIEW,
+    PREVIEW_SELECTIONS,
+    QUERY_PREVIEW_LAST,
     SCORERS,
     CheckInputs,
     attention_with_query_mass,
+    query_and_last_scores,
     query_attention_mass,
     value_weighted,
 )
@@ -519,11 +521,13 @@ class LMCBlender:
         token_ids: torch.Tensor,
         writer: KVLayerWriter | None,
         query_mass: torch.Tensor | None = None,
+        last_mass: torch.Tensor | None = None,
     ) -> Generator[int, None, torch.Tensor | None]:
         """Every layer for ``meta``'s active tokens, yielding each finished layer id; returns the
         last layer's hidden states ``[N, hidden]`` (None when no token was active).
         ``query_mass`` (``[T]`` fp32), when given, receives the value-weighted attention mass from
-        the query tokens at every layer.
+        the query tokens at every layer, and ``last_mass`` (with ``query_mass`` only) the same
+        from the last token alone.
 
         With a :class:`PagedKV` writer whose ``paged_attention`` is on, each layer's rows go into
         the engine's paged cache and attention runs there; otherwise attention runs on the op
@@ -584,10 +588,12 @@ class LMCBlender:
             else:
                 if query_mass is not None:  # the preview: attention and the query's mass at once
                     rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
-                    attn, mass = attention_with_query_mass(
+                    attn, mass, last = attention_with_query_mass(
                         q, keys, values, positions, model.attn_scale, rows
                     )
                     query_mass += value_weighted(mass, values)
+                    if last_mass is not None:
+                        last_mass += value_weighted(last, values)
                 elif paged:
                     attn = writer.attention(layer, q, positions, model.attn_scale)
                 else:
@@ -642,10 +648,16 @@ class LMCBlender:
             cached_prefix=meta.cached_prefix,
         )
         mass = torch.zeros(meta.positions.numel(), dtype=torch.float32, device=valid.device)
-        for _ in self._run_layers(preview, token_ids, None, mass):
+        last = torch.zeros_like(mass) if self.config.blend_selection == QUERY_PREVIEW_LAST else None
+        for _ in self._run_layers(preview, token_ids, None, mass, last):
             pass
         if self.score_reducer is not None:
             mass = self.score_reducer(mass)
+            last = None if last is None else self.score_reducer(last)
+        if last is not None:
+            candidates = valid.clone()
+            candidates[: meta.exact_prefix] = False
+            mass = query_and_last_scores(mass, last, candidates)
         mass[: meta.exact_prefix] = _LAST_RESORT
         chosen[select_topk_with_invalid(mass, valid, count)] = True
         meta.cached_kv = preview.cached_kv
@@ -675,7 +687,7 @@ class LMCBlender:
         self.timer.mark()
         meta = self.start_request(tokens, mask, **request)
         token_ids = torch.as_tensor(tokens, dtype=torch.int64)
-        if self.config.blend_selection == QUERY_PREVIEW and meta.schedule:
+        if self.config.blend_selection in PREVIEW_SELECTIONS and meta.schedule:
             self._preview_selection(meta, token_ids)
         hidden = yield from self._run_layers(meta, token_ids, self.gpu_connector)
         logits = None

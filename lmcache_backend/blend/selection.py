@@ -25,6 +25,11 @@ names the selector:
     are recomputed in every layer of the blend (the final ratio of
     ``blend_recompute_ratios``; ``blend_check_layers`` is not used). The preview costs the query's
     tokens times the layers; its re-rotated cached K/V serve the blend.
+``query_preview_last``
+    The same preview, scored by the query tokens' value-weighted mass (as ``query_preview``)
+    plus the *last* prompt token's alone (the token whose hidden state gives the first output
+    token), each divided by its total over the tokens that can be chosen: the last token's
+    reads count as much as all the query tokens' together.
 
 Scores are per token ``[N]`` fp32; with tensor parallelism each rank sees only its heads, so the
 blender sums scores over ranks (``score_reducer``) before choosing, and every rank keeps the same
@@ -42,6 +47,12 @@ from lmcache_backend.ops.reference import token_deviation
 
 #: The selection that previews the query over the cached K/V instead of checking a layer.
 QUERY_PREVIEW = "query_preview"
+
+#: ``query_preview`` with the last token's mass weighted up.
+QUERY_PREVIEW_LAST = "query_preview_last"
+
+#: The selections that run the preview pass.
+PREVIEW_SELECTIONS = frozenset({QUERY_PREVIEW, QUERY_PREVIEW_LAST})
 
 #: Selections that need the query's attention at the layers before (and at) the check layer.
 NEEDS_QUERY_ATTENTION = frozenset({"query_attention", "query_kv_deviation"})
@@ -136,9 +147,9 @@ def attention_with_query_mass(
     q_positions: torch.Tensor,
     scale: float,
     query_rows: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact-mask attention and, from the same probabilities, the mass the query rows put on
-    each key: ``query_preview``'s pass computes both at every layer, in one go.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact-mask attention and, from the same probabilities, the mass the query rows (and the
+    last row alone) put on each key: the preview pass computes them at every layer, in one go.
 
     Args:
         q: ``[N, Hq, D]`` queries at sorted ``q_positions [N]``; ``k``, ``v``: ``[T, Hkv, D]``
@@ -147,15 +158,17 @@ def attention_with_query_mass(
         query_rows: ``[M]`` int64 rows of ``q`` whose attention mass is summed.
 
     Returns:
-        ``([N, Hq, D]`` attention output in ``q.dtype``, ``[T]`` fp32 mass: what
+        ``([N, Hq, D]`` attention output in ``q.dtype``, ``[T]`` fp32 mass of the query rows,
+        ``[T]`` fp32 mass of the last row: what
         :func:`lmcache_backend.ops.reference.attention_at_positions` and
-        :func:`query_attention_mass` of ``q[query_rows]`` give, fp32 math.)
+        :func:`query_attention_mass` of ``q[query_rows]`` and ``q[-1:]`` give, fp32 math.)
     """
     n, num_heads, dim = q.shape
     num_keys, kv_heads = k.shape[0], k.shape[1]
     group = num_heads // kv_heads
     if n == 0:
-        return q.new_empty(0, num_heads, v.shape[-1]), torch.zeros(num_keys, device=k.device)
+        zeros = torch.zeros(num_keys, device=k.device)
+        return q.new_empty(0, num_heads, v.shape[-1]), zeros, zeros.clone()
     # grouped-query heads side by side: head h reads KV head h // group
     qf = q.float().view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
     logits = torch.bmm(qf, k.float().permute(1, 2, 0)) * scale  # [Hkv, N * group, T]
@@ -168,7 +181,7 @@ def attention_with_query_mass(
     out = torch.bmm(probs.view(kv_heads, -1, num_keys), v.float().transpose(0, 1))
     out = out.view(kv_heads, n, group, -1).permute(1, 0, 2, 3).reshape(n, num_heads, -1)
     mass = probs[:, query_rows.to(k.device)].sum(dim=(0, 1, 2))
-    return out.to(q.dtype), mass
+    return out.to(q.dtype), mass, probs[:, -1].sum(dim=(0, 1))
 
 
 def value_weighted(mass: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -179,3 +192,15 @@ def value_weighted(mass: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     the weighting against 0.076 with the attention mass alone, at the same token-layers.
     """
     return mass * values.float().norm(dim=-1).mean(dim=-1)
+
+
+def query_and_last_scores(
+    query_mass: torch.Tensor, last_mass: torch.Tensor, candidates: torch.Tensor
+) -> torch.Tensor:
+    """``query_preview_last``'s scores: each ``[T]`` mass divided by its sum over the
+    ``candidates [T]`` (bool: the tokens the selection may choose), added."""
+
+    def share(mass: torch.Tensor) -> torch.Tensor:
+        return mass / mass[candidates].sum().clamp_min(torch.finfo(torch.float32).tiny)
+
+    return share(query_mass) + share(last_mass)
