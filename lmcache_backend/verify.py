@@ -308,6 +308,9 @@ def verify_vllm(
 
     from lmcache_backend.config import load_config
 
+    # vLLM's CPU backend otherwise reserves a share of all memory for its KV cache (and refuses
+    # to start when less is free); a check needs little
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch_dtype = getattr(torch, dtype)
     config = load_config(enable_blending=True)
     tok = AutoTokenizer.from_pretrained(model_path)
