@@ -142,7 +142,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey(
         "blend_selection",
         str,
-        "query_preview",
+        "query_preview_last",
         "how check layers choose tokens: " + ", ".join(SELECTION_CHOICES),
     ),
     ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
@@ -197,7 +197,7 @@ class BlendConfig:
     # LMCache's behaviour: blend_selection=kv_deviation with LMCache's ratios and check layers.
     blend_recompute_ratios: list[float] = field(default_factory=lambda: [0.2])
     blend_check_layers: list[int] = field(default_factory=lambda: [1])
-    blend_selection: str = "query_preview"
+    blend_selection: str = "query_preview_last"
     blend_min_tokens: int = 256
     backend: str = "auto"
     use_layerwise: bool = True

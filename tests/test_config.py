@@ -18,7 +18,7 @@ def test_defaults() -> None:
     assert config.blend_min_tokens == 256
     assert config.blend_check_layers == [1]
     assert config.blend_recompute_ratios == [0.2]
-    assert config.blend_selection == "query_preview"
+    assert config.blend_selection == "query_preview_last"
     assert config.backend == "auto"
 
 
