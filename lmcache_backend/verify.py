@@ -307,6 +307,7 @@ def verify_vllm(
     from vllm.config import KVTransferConfig
 
     from lmcache_backend.config import load_config
+    from lmcache_backend.integration.vllm import kv_transfer_config
 
     # vLLM's CPU backend otherwise reserves a share of all memory for its KV cache (and refuses
     # to start when less is free); a check needs little
@@ -322,12 +323,7 @@ def verify_vllm(
         "stats_file": stats,
         **(extra_config or {}),
     }
-    kv = KVTransferConfig(
-        kv_connector="CacheBlendConnector",
-        kv_connector_module_path="lmcache_backend.integration.vllm.connector",
-        kv_role="kv_both",
-        kv_connector_extra_config=extra,
-    )
+    kv = KVTransferConfig(**kv_transfer_config(**extra))
     longest = max(len(p) for pair in prompts for p in pair)
     kwargs = {
         "enforce_eager": True,

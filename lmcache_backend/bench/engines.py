@@ -18,6 +18,7 @@ import torch
 
 from lmcache_backend.bench.strategies import BLEND, EPIC, FULL, PREFIX, Strategy
 from lmcache_backend.blend.segmenting import build_blend_prompt
+from lmcache_backend.integration.vllm import CONNECTOR_MODULE
 
 ENGINE_CHOICES = ("hf", "vllm")
 
@@ -289,7 +290,7 @@ class HFEngine:
         return int(self.core.store.nbytes)
 
 
-VLLM_CONNECTOR_MODULE = "lmcache_backend.integration.vllm.connector"
+VLLM_CONNECTOR_MODULE = CONNECTOR_MODULE
 
 
 def vllm_engine_problem() -> str | None:
@@ -329,6 +330,7 @@ class VLLMEngine:
         from vllm.config import KVTransferConfig
 
         from lmcache_backend.config import load_config
+        from lmcache_backend.integration.vllm import kv_transfer_config
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
@@ -339,12 +341,7 @@ class VLLMEngine:
         self.model_name = model_name or model_path
         self.llm = LLM(
             model=model_path,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="CacheBlendConnector",
-                kv_connector_module_path=VLLM_CONNECTOR_MODULE,
-                kv_role="kv_both",
-                kv_connector_extra_config={"stats_file": self._stats},
-            ),
+            kv_transfer_config=KVTransferConfig(**kv_transfer_config(self._stats)),
             enable_prefix_caching=True,
             max_model_len=8192,
             max_logprobs=-1,  # the full first-token distribution, for the KL

@@ -38,16 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     from lmcache_backend.bench.profile import _prompts
     from lmcache_backend.config import load_config
     from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.integration.vllm import kv_transfer_config
 
     path = str(embedded_model_path())
     tok = AutoTokenizer.from_pretrained(path)
     llm = LLM(
         model=path,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="CacheBlendConnector",
-            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
-            kv_role="kv_both",
-        ),
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config()),
         enable_prefix_caching=False,
         enforce_eager=args.eager,
         max_model_len=8192,

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lmcache_backend.config import load_config
     from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.integration.vllm import kv_transfer_config
 
     path = str(embedded_model_path())
     tok = AutoTokenizer.from_pretrained(path)
@@ -93,12 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     stats = os.path.join(tempfile.mkdtemp(prefix="lmcache-profile-"), "stats.jsonl")
     llm = LLM(
         model=path,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="CacheBlendConnector",
-            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"stats_file": stats, "profile": True},
-        ),
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(stats, profile=True)),
         enable_prefix_caching=False,
         enforce_eager=args.eager,
         max_model_len=8192,

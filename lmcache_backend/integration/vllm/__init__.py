@@ -10,6 +10,27 @@ CONNECTOR_NAME = "CacheBlendConnector"
 PLUGIN_ENTRY_POINT = "lmcache_backend.integration.vllm.plugin:register"
 
 
+def kv_transfer_config(stats_file: str | None = None, **extra) -> dict:
+    """The ``--kv-transfer-config`` value that loads ``CacheBlendConnector`` (for the offline
+    ``LLM`` class: ``KVTransferConfig(**kv_transfer_config(...))``).
+
+    Args:
+        stats_file: where the connector appends one JSON line per blended request.
+        extra: further ``kv_connector_extra_config`` keys (``blend_recompute_ratios``, ...).
+    """
+    config: dict = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+    }
+    extra = {k: v for k, v in extra.items() if v is not None}
+    if stats_file:
+        extra["stats_file"] = stats_file
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return config
+
+
 def _entry_point_registered() -> bool:
     try:
         group = importlib.metadata.entry_points(group="vllm.general_plugins")

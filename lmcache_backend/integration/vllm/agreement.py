@@ -30,6 +30,7 @@ def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
 
     from lmcache_backend.bench.dataset import load_dataset, prompt_pair
     from lmcache_backend.blend.segmenting import build_blend_prompt, separator_pattern
+    from lmcache_backend.integration.vllm import kv_transfer_config
 
     tok = AutoTokenizer.from_pretrained(model)
     tail = separator_pattern(tok, " # # ").query_start
@@ -43,12 +44,7 @@ def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
     for ex in examples:
         pair = prompt_pair(build, ex, seed=1)
         prompts.append((ex.id, pair.warm_ids, pair.asked_ids))
-    kv = KVTransferConfig(
-        kv_connector="CacheBlendConnector",
-        kv_connector_module_path="lmcache_backend.integration.vllm.connector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"enable_blending": True, "blend_min_tokens": 32},
-    )
+    kv = KVTransferConfig(**kv_transfer_config(enable_blending=True, blend_min_tokens=32))
     llm = LLM(
         model=model,
         dtype=dtype,

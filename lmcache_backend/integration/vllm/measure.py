@@ -60,6 +60,7 @@ def main() -> None:
     from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.embedded import embedded_model_path
     from lmcache_backend.examples import builtin_examples, reordered
+    from lmcache_backend.integration.vllm import kv_transfer_config
 
     path = str(embedded_model_path())
     tok = AutoTokenizer.from_pretrained(path)
@@ -70,11 +71,7 @@ def main() -> None:
         return build_blend_prompt(tok, ex.system, long, question).token_ids
 
     def engine(connector: bool):
-        kv = KVTransferConfig(
-            kv_connector="CacheBlendConnector",
-            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
-            kv_role="kv_both",
-        )
+        kv = KVTransferConfig(**kv_transfer_config())
         return LLM(
             model=path,
             kv_transfer_config=kv if connector else None,

