@@ -145,19 +145,9 @@ def test_empty_separator_is_accepted() -> None:
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from test_blender import _tiny_model
 
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return _tiny_model("llama")
 
 
 def _blender(model, ratio: float):
