@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from vllm_scripts import run_result_script
 
 pytest.importorskip("vllm")
 
@@ -97,16 +96,7 @@ def test_text_chat_is_blended(tmp_path, mode) -> None:
     }
     if mode == "separator-free":
         env["LMCACHE_BLEND_SPECIAL_STR"] = ""
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "chat.py"), mode, str(stats)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=590,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    result = run_result_script(tmp_path / "chat.py", [mode, str(stats)], env, timeout=590)
     warm, again = result["warm"], result["reordered"]
     assert warm["cached"] == 0, "first sight: vLLM prefills, the connector stores"
     records = _records(stats)

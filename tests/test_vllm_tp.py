@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from vllm_scripts import run_result_script
 
 pytest.importorskip("vllm")
 if os.environ.get("LMCACHE_BACKEND_SKIP_TP") == "1":
@@ -75,16 +74,7 @@ def test_three_ranks_blend_consistently(tmp_path) -> None:
         "LMCACHE_BLEND_MIN_TOKENS": "32",
         "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15",
     }
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "tp.py"), str(stats)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT ") :])
+    out = run_result_script(tmp_path / "tp.py", [str(stats)], env, timeout=540)
     assert out["warm_cached"] == 0
     # claimed up to the question, which vLLM computes
     assert out["full_cached"] == out["part_cached"] == out["tail"] < out["n"] - 1
