@@ -262,3 +262,27 @@ def test_summarize_pools_pairs_and_compares_with_naive():
     assert naive["kl_recovered"] == 0.0
     table = format_table(rows)
     assert "naive reuse" in table and "0.40x" in table
+
+
+def test_profile_lists_the_costliest_operators_of_a_request(capsys) -> None:
+    """``bench.profile --ops``: one request under the profiler, its operators by self time."""
+    import torch
+
+    from lmcache_backend.bench.profile import _operators, _print
+
+    a = torch.randn(256, 256)
+    ops = _operators(lambda: [torch.mm(a, a) for _ in range(3)], 2)
+    assert ops[0]["op"] == "aten::mm" and ops[0]["calls"] == 3 and "256, 256" in ops[0]["shapes"]
+    assert len(ops) == 2 and ops[0]["ms"] >= ops[1]["ms"]
+    row = {
+        "prompt_tokens": 10,
+        "load_average": (0.0, 0.0, 0.0),
+        "ttft_ms": {"full prefill": 1.0},
+        "ratio_to_full": {"full prefill": 1.0},
+        "token_layer_fraction": {"full prefill": 1.0},
+        "full_us_per_token_layer": 1.0,
+        "phases_ms": {"lookup": 1.0},
+        "ops": ops,
+    }
+    _print(row, "CacheBlend 0.15")
+    assert "aten::mm" in capsys.readouterr().out

@@ -174,9 +174,11 @@ def test_query_preview_is_closer_to_full_prefill_than_naive_reuse(llama) -> None
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
-def test_attention_with_query_mass_matches_the_separate_ops(heads) -> None:
+@pytest.mark.parametrize("query_rows", [[4, 5, 6], [5, 6, 7]], ids=["middle", "tail"])
+def test_attention_with_query_mass_matches_the_separate_ops(heads, query_rows) -> None:
     """The preview's fused op: the same output as the exact-mask attention reference and the
-    same mass as query_attention_mass of the query rows (fp32 math, tolerance 1e-5)."""
+    same mass as query_attention_mass of the query rows (fp32 math, tolerance 1e-5), whether the
+    query rows are the last rows (the preview's case) or not."""
     from lmcache_backend.blend.selection import attention_with_query_mass, query_attention_mass
     from lmcache_backend.ops.reference import attention_at_positions
 
@@ -187,15 +189,36 @@ def test_attention_with_query_mass_matches_the_separate_ops(heads) -> None:
     q = torch.randn(len(positions), hq, 16, generator=g)
     k = torch.randn(t, hkv, 16, generator=g)
     v = torch.randn(t, hkv, 16, generator=g)
-    rows = torch.tensor([4, 5, 6])
+    rows = torch.tensor(query_rows)
     out, mass, last = attention_with_query_mass(q, k, v, positions, 0.25, rows)
     torch.testing.assert_close(out, attention_at_positions(q, k, v, positions, 0.25))
     expected = query_attention_mass(q[rows], k, positions[rows], 0.25)
     torch.testing.assert_close(mass, expected)
     torch.testing.assert_close(last, query_attention_mass(q[-1:], k, positions[-1:], 0.25))
-    assert float(mass[39]) == 0.0  # after every query row's position (33, 37, 38)
+    if query_rows == [4, 5, 6]:
+        assert float(mass[39]) == 0.0  # after every query row's position (33, 37, 38)
     # every query row and head contributes one distribution
     assert abs(float(mass.sum()) - len(rows) * hq) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_attention_with_query_mass_in_half_precision(dtype) -> None:
+    """bf16/fp16 keys: the products run in that dtype, softmax and masses in fp32. Against the
+    fp32 op on the same (rounded) inputs: output within 2e-2, masses within 2% of the total."""
+    from lmcache_backend.blend.selection import attention_with_query_mass
+
+    g = torch.Generator().manual_seed(5)
+    t, positions = 300, torch.tensor([10, 11, 150, 296, 297, 298, 299])
+    q, k, v = (torch.randn(n, h, 64, generator=g).to(dtype) for n, h in ((7, 9), (t, 3), (t, 3)))
+    rows = torch.tensor([3, 4, 5, 6])
+    out, mass, last = attention_with_query_mass(q, k, v, positions, 0.125, rows)
+    ref_out, ref_mass, ref_last = attention_with_query_mass(
+        q.float(), k.float(), v.float(), positions, 0.125, rows
+    )
+    assert out.dtype == dtype and mass.dtype == last.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=0)
+    assert float((mass - ref_mass).abs().sum()) < 0.02 * float(ref_mass.sum())
+    assert float((last - ref_last).abs().sum()) < 0.02 * float(ref_last.sum())
 
 
 def test_query_and_last_scores_add_each_mass_as_a_share_of_its_candidates_total() -> None:
@@ -232,3 +255,28 @@ def test_query_preview_last_weights_the_last_tokens_reads(llama, monkeypatch) ->
     assert 1 <= len(chosen["query_preview"]) <= 3
     assert 60 not in chosen["query_preview"] and 40 in chosen["query_preview"]
     assert 60 in chosen["query_preview_last"]
+
+
+@pytest.mark.parametrize(
+    "selection, ratio, expected, absent",
+    [
+        (
+            "query_preview_last",
+            0.3,
+            {"preview: rest", "selected: rest", "selected: attention"},
+            {"full: rest", "check: rest"},
+        ),
+        ("kv_deviation", 0.3, {"full: rest", "check: rest", "selected: rest"}, {"preview: rest"}),
+    ],
+)
+def test_phase_timer_names_what_each_layer_computes(llama, selection, ratio, expected, absent):
+    """The profile's phases: a preview's fixed selection is reported as the selected tokens'
+    layers, not as layers of every token."""
+    from lmcache_backend.blend.timing import PhaseTimer
+
+    blender, cache = _setup(llama, ratios=(ratio,), selection=selection)
+    _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
+    blender.timer = PhaseTimer()
+    blender.blend(_prompt(SYS, C3, C1, C2, Q2))
+    names = set(blender.timer.totals)
+    assert expected <= names and not absent & names, sorted(names)

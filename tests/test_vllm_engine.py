@@ -167,6 +167,7 @@ def test_ratio_one_matches_vllm_prefill(engine) -> None:
     tail = _query_start(engine, "reordered")
     assert cached == tail, "the connector claims the prompt up to its query tail"
     assert record["recompute_fraction"] == 1.0 and record["fallback_reason"] is None
+    assert record["attention_fraction"] == 1.0
     assert text == engine.plain["reordered"]
 
 
@@ -180,7 +181,22 @@ def test_reordered_chunks_are_reused_at_ratio_015(engine) -> None:
     # about 15% of the reusable tokens are recomputed past the check layer
     assert 0.14 <= record["recompute_fraction"] <= 0.17, record
     assert record["token_layer_fraction"] < 0.3, record
+    assert 0.0 < record["attention_fraction"] < 1.0, record
     assert text.strip(), "an answer must come out"
+
+
+def test_attention_fraction_counts_query_key_pairs() -> None:
+    """A query at position p reads p + 1 keys; vLLM computes every token from ``end`` on."""
+    import torch
+
+    from lmcache_backend.integration.vllm.worker import _attention_fraction
+
+    full = 10 * 11 / 2
+    assert _attention_fraction(torch.arange(10), 8, 10) == 1.0
+    # tokens 0 and 5 blended (1 + 6 pairs), tokens 8 and 9 by vLLM (9 + 10); token 9 >= end is
+    # vLLM's even when listed among the computed ones
+    assert _attention_fraction(torch.tensor([0, 5, 9]), 8, 10) == (1 + 6 + 9 + 10) / full
+    assert _attention_fraction(torch.empty(0, dtype=torch.int64), 10, 10) == 0.0
 
 
 @pytest.fixture(scope="module")

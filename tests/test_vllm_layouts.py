@@ -80,3 +80,17 @@ def test_flash_layout_round_trip(kv_first: bool) -> None:
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
     k_cache, _ = FlashLayout.split(cache)
     assert torch.equal(k_cache[7, 3], keys[3])  # token 3 is row 3 of the first block (7)
+
+
+def test_paged_attention_benchmark_times_the_three_query_sets() -> None:
+    """``bench.paged_attention``: full prefill, scattered and clustered queries through vLLM's CPU
+    attention op; the pair shares are the selections' query-key pairs over the full prefill's."""
+    pytest.importorskip("vllm._custom_ops")
+    from lmcache_backend.bench.paged_attention import measure
+
+    row = measure(256, 0.25, 16, repeats=1)
+    assert row["full pairs"] == 256 * 257 / 2
+    for name in ("scattered", "runs of 8"):
+        assert row[f"{name} ms"] > 0
+        assert 0 < row[f"{name} pair share"] < 1
+        assert row[f"{name} pairs"] == pytest.approx(row[f"{name} pair share"] * row["full pairs"])

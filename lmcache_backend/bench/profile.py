@@ -10,7 +10,10 @@
    CacheBlend at each ``--ratios``, interleaved;
 3. prints the medians of the time to first token (a one-token request, as a client sees it), each
    strategy's ratio to full prefill, the marginal cost of a recomputed token-layer, and the blend
-   path's phases (from the worker's timers) for the first CacheBlend ratio.
+   path's phases (from the worker's timers) for the first CacheBlend ratio;
+4. with ``--ops N``, runs one more such request under ``torch.profiler`` and prints its ``N``
+   costliest operators by input shape (the engine then runs in this process, so the profiler
+   sees the worker: the blend, vLLM's forward of the question and sampling).
 
 Every number comes from the same engine, so full prefill and CacheBlend run on the same cores.
 """
@@ -18,6 +21,7 @@ Every number comes from the same engine, so full prefill and CacheBlend run on t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -32,12 +36,12 @@ PHASES = (
     ("rerotate", "cached keys re-rotated to their new positions"),
     ("preview: rest", "query_preview: the question over the cached K/V, all but attention"),
     ("preview: attention", "  ... its attention and the attention mass it gives each token"),
-    ("full: rest", "layers before the first check layer, all tokens: all but attention"),
+    ("full: rest", "every token (before the first check layer, or a fallback): all but attention"),
     ("full: attention", "  ... their attention"),
     ("check: rest", "check layers: all but attention"),
     ("check: attention", "  ... their attention"),
     ("select and blend", "deviation, top-k, scatter of fresh rows"),
-    ("selected: rest", "layers after the check: selected tokens, all but attention"),
+    ("selected: rest", "the selected tokens' layers (after a check or a preview): not attention"),
     ("selected: attention", "  ... their attention"),
     ("write-back", "blended K/V into vLLM's paged cache"),
     ("logits", "last token's logits"),
@@ -73,7 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument(
+        "--ops", type=int, default=0, metavar="N", help="also print the N costliest operators"
+    )
     args = parser.parse_args(argv)
+    if args.ops:  # the worker in this process, where the profiler can see it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     sizes = [int(s) for s in args.sizes.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[str, list[float]] = {name: [] for name, _ in modes}
         token_layers: dict[str, list[float]] = {name: [] for name, _ in modes}
         phases: list[dict] = []
+        attention: list[float] = []  # the profiled ratio's share of full prefill's attention
         for i, ids in enumerate(asked):  # round 0 warms this shape up, untimed
             for name, params in modes:
                 ttft, rec = ask(ids, params)
@@ -138,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
                 token_layers[name].append(fraction * len(ids) * layers)
                 if name == profiled and rec and rec.get("profile"):
                     phases.append(rec["profile"])
+                    attention.append(rec.get("attention_fraction", 1.0))
         n = len(asked[0])
         full = med(times["full prefill"])
         row = {
@@ -157,15 +168,40 @@ def main(argv: list[str] | None = None) -> None:
                 row["marginal_us_per_token_layer"] = round(
                     1e6 * (med(times[hi]) - med(times[lo])) / extra, 2
                 )
+        if attention:
+            row["attention_fraction"] = round(med(attention), 3)
         if phases:
             keys = {k for p in phases for k in p}
             row["phases_ms"] = {k: round(med(p.get(k, 0.0) for p in phases), 2) for k in keys}
+        if args.ops:
+            request = functools.partial(ask, asked[-1], dict(modes)[profiled])
+            row["ops"] = _operators(request, args.ops)
         results.append(row)
         _print(row, profiled)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
     llm.llm_engine.engine_core.shutdown()
+
+
+def _operators(request, top: int) -> list[dict]:
+    """The ``top`` operators of one ``request()`` by self CPU time, per input shape."""
+    import torch
+
+    with torch.profiler.profile(record_shapes=True) as prof:
+        request()
+    events = sorted(
+        prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total
+    )
+    return [
+        {
+            "op": e.key,
+            "calls": e.count,
+            "ms": round(e.self_cpu_time_total / 1000.0, 2),
+            "shapes": str(e.input_shapes)[:100],
+        }
+        for e in events[:top]
+    ]
 
 
 def _print(row: dict, profiled: str) -> None:
@@ -181,6 +217,11 @@ def _print(row: dict, profiled: str) -> None:
         line += f"; marginal cost of a recomputed token-layer: {m:.1f} us"
         line += f" ({m / row['full_us_per_token_layer']:.2f}x)"
     print(line)
+    if "attention_fraction" in row:
+        print(
+            f"  {profiled}: query-key pairs of its last layer {row['attention_fraction']:.0%} of "
+            "full prefill's (attention costs by position)"
+        )
     phases = row.get("phases_ms")
     if not phases:
         return
@@ -193,6 +234,10 @@ def _print(row: dict, profiled: str) -> None:
         print(f"    {name:<20} {phases[name]:8.2f}")
     blend = sum(v for k, v in phases.items() if k != "vllm step")
     print(f"    {'sum':<20} {blend + phases.get('vllm step', 0.0):8.2f}")
+    if row.get("ops"):
+        print(f"  {profiled}, costliest operators of one request (self CPU ms, calls, shapes):")
+        for op in row["ops"]:
+            print(f"    {op['ms']:9.2f} {op['calls']:5d}  {op['op']:<34} {op['shapes']}")
 
 
 if __name__ == "__main__":

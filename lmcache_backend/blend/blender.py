@@ -39,7 +39,7 @@ from lmcache_backend.blend.selection import (
     attention_with_query_mass,
     query_and_last_scores,
     query_attention_mass,
-    value_weighted,
+    value_norms,
 )
 from lmcache_backend.blend.timing import NO_TIMER
 from lmcache_backend.config import BlendConfig
@@ -555,11 +555,11 @@ class LMCBlender:
             phase = (
                 "preview"
                 if query_mass is not None
-                else "full"
-                if layer < first_check
                 else "check"
                 if layer in meta.schedule
                 else "selected"
+                if layer > first_check or meta.active.numel() < meta.positions.numel()
+                else "full"
             )
             rest, attention = _PHASE_NAMES[phase]
             x = model.attention_input(layer, hidden)
@@ -591,9 +591,10 @@ class LMCBlender:
                     attn, mass, last = attention_with_query_mass(
                         q, keys, values, positions, model.attn_scale, rows
                     )
-                    query_mass += value_weighted(mass, values)
+                    norms = value_norms(values)
+                    query_mass.addcmul_(mass, norms)
                     if last_mass is not None:
-                        last_mass += value_weighted(last, values)
+                        last_mass.addcmul_(last, norms)
                 elif paged:
                     attn = writer.attention(layer, q, positions, model.attn_scale)
                 else:

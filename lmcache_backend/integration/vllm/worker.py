@@ -66,6 +66,10 @@ class BlendRecord:
     selected_digest: str = ""
     #: layers whose attention ran through vLLM's own paged attention op
     vllm_attention_layers: int = 0
+    #: the last layer's query-key pairs (the blend's computed tokens and vLLM's tail) as a share
+    #: of a full prefill's: attention costs by position, so recomputing late tokens costs more
+    #: than ``recompute_fraction`` suggests
+    attention_fraction: float = 1.0
     #: milliseconds per phase (``profile: true`` only): the blender's phases, ``prefix read``
     #: and ``vllm step`` (vLLM's own forward pass of the step that follows the blend)
     profile: dict[str, float] | None = None
@@ -156,6 +160,15 @@ def _tp_sum(scores: torch.Tensor) -> torch.Tensor:
     from vllm.distributed.parallel_state import get_tp_group
 
     return get_tp_group().all_reduce(scores.float().contiguous())
+
+
+def _attention_fraction(computed: torch.Tensor, end: int, num_tokens: int) -> float:
+    """Query-key pairs of the tokens ``computed [N]`` (indices) below ``end`` and of every token
+    from ``end`` on, over a full prefill's ``T (T + 1) / 2``: a query at position ``p`` reads
+    ``p + 1`` keys."""
+    mine = computed[computed < end].to(torch.float64)
+    pairs = float((mine + 1).sum()) + (end + 1 + num_tokens) * (num_tokens - end) / 2
+    return pairs / (num_tokens * (num_tokens + 1) / 2)
 
 
 class WorkerSide:
@@ -393,6 +406,7 @@ class WorkerSide:
                 result.recomputed.to(torch.int64).numpy().tobytes()
             ).hexdigest()[:16],
             vllm_attention_layers=paged_layers,
+            attention_fraction=_attention_fraction(result.recomputed, spec.end, n),
         )
         if self.settings.profile:
             record.profile = self.timer.milliseconds()
