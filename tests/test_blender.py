@@ -335,3 +335,29 @@ def test_compute_end_leaves_the_tail_to_the_engine(tiny, selection, ratio) -> No
         torch.testing.assert_close(head.values[layer][:end], whole.values[layer][:end])
     with pytest.raises(ValueError, match="compute_end"):
         blender.blend(tokens, compute_end=len(tokens) + 1)
+
+
+def test_retriever_stacks_every_layers_hits_with_zero_rows_between() -> None:
+    """``stacked``: each hit's rows of every layer in place, rows no hit covers zero (the
+    uninitialised buffer must not leak into them), and the same rows as ``result(layer)``."""
+    from lmcache_backend.blend.retriever import SPTBlendRetrieverTask
+    from lmcache_backend.store import SegmentKV
+
+    g = torch.Generator().manual_seed(1)
+
+    def kv(n: int, start: int) -> SegmentKV:
+        return SegmentKV(
+            torch.randn(3, n, 2, 4, generator=g), torch.randn(3, n, 2, 4, generator=g), start
+        )
+
+    task = SPTBlendRetrieverTask(
+        [(0, kv(4, 0)), (6, kv(3, 9))], 11, torch.device("cpu"), torch.float32
+    )
+    keys, values = task.stacked(3)
+    assert keys.shape == values.shape == (3, 11, 8)
+    for rows in (slice(4, 6), slice(9, 11)):
+        assert not keys[:, rows].any() and not values[:, rows].any()
+    for layer in range(3):
+        got = task.result(layer)
+        torch.testing.assert_close(keys[layer], got.k)
+        torch.testing.assert_close(values[layer], got.v)

@@ -82,9 +82,9 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
             n = kv.num_tokens
             k[:, start : start + n] = kv.keys.reshape(num_layers, n, width)
             v[:, start : start + n] = kv.values.reshape(num_layers, n, width)
-        gaps = ~self.valid_mask
-        if bool(gaps.any()):
-            gaps = gaps.to(self.device)
+        # row indices, not a boolean mask: a mask indexes by a full pass over [L, T, Hkv*D]
+        gaps = torch.nonzero(~self.valid_mask, as_tuple=False).flatten().to(self.device)
+        if gaps.numel():
             k[:, gaps] = 0
             v[:, gaps] = 0
         return k, v
