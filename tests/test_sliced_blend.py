@@ -1,6 +1,7 @@
-"""``blend_layers_per_step``: the setting, and the scheduler side of sliced (asynchronous) loads
-without an engine: which claims are sliced, the load planned once the blocks are allocated, and
-the cancel of a request aborted while its blend is in flight."""
+"""``blend_layers_per_step`` without an engine: the setting; the scheduler side of sliced
+(asynchronous) loads (which claims are sliced, the load planned once the blocks are allocated,
+the cancel of a request aborted while its blend is in flight); the worker side's pass budget
+(oldest blend first, a fixed number of passes per step, cancels)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,74 @@ def test_only_tail_free_selections_are_sliced(settings_for, per_step, params, sl
     )
     meta = scheduler.build(_output(new=[] if sliced else [new]))
     assert [(s.req_id, s.sliced) for s in meta.loads] == [("r", sliced)]
+
+
+def _worker(layers: int, per_step: int):
+    from lmcache_backend.integration.vllm.worker import WorkerSide
+
+    worker = WorkerSide.__new__(WorkerSide)
+    worker.settings = SimpleNamespace(blend_layers_per_step=per_step)
+    worker.model = SimpleNamespace(num_layers=layers)
+    worker.timer = worker._writer = None
+    worker._sliced, worker._finished_loads = {}, set()
+    worker.finished = []
+    worker._finish = lambda spec, result, *rest: worker.finished.append((spec.req_id, result))
+    return worker
+
+
+def _job(worker, rid: str, layers: int, preview: bool, log: list):
+    from lmcache_backend.integration.vllm.worker import _Sliced
+
+    def passes():
+        for kind in ("preview", "blend") if preview else ("blend",):
+            for layer in range(layers):
+                log.append((rid, kind, layer))
+                yield kind, layer
+        return f"result of {rid}"
+
+    spec = SimpleNamespace(req_id=rid)
+    blender = SimpleNamespace(timer=None, gpu_connector=None)
+    writer = SimpleNamespace(paged_layers=0)
+    from lmcache_backend.blend.timing import NO_TIMER
+
+    job = _Sliced(spec, passes(), blender, writer, NO_TIMER, 0.0)
+    worker._sliced[rid] = job
+    return job
+
+
+def test_worker_runs_a_fixed_number_of_passes_per_step_oldest_first() -> None:
+    worker, log = _worker(layers=4, per_step=3), []
+    a = _job(worker, "a", 4, preview=True, log=log)  # 8 passes
+    _job(worker, "b", 4, preview=False, log=log)  # 4 passes
+    counts = []
+    for _ in range(4):
+        before = len(log)
+        worker.advance()
+        counts.append(len(log) - before)
+        done = worker.take_finished_loads()
+        counts.append(sorted(done) if done else [])
+    # 3 passes a step; "a" completes in its third step (then "b" gets the rest of the budget)
+    assert counts == [3, [], 3, [], 3, ["a"], 3, ["b"]]
+    assert [rid for rid, _ in worker.finished] == ["a", "b"]
+    assert worker.finished[0][1] == "result of a" and a.steps == 3
+    assert not worker._sliced
+
+
+def test_worker_finishes_a_blend_whose_last_layer_used_the_budget() -> None:
+    worker, log = _worker(layers=4, per_step=4), []
+    job = _job(worker, "a", 4, preview=False, log=log)
+    worker.advance()
+    assert worker.take_finished_loads() == {"a"} and job.steps == 1
+
+
+def test_worker_cancel_drops_the_blend_before_it_advances() -> None:
+    worker, log = _worker(layers=4, per_step=2), []
+    _job(worker, "a", 4, preview=True, log=log)
+    worker.advance()
+    assert worker.take_finished_loads() is None
+    worker.cancel("a")
+    worker.cancel("unknown")  # completed (and reported) earlier, or never here: nothing
+    worker.advance()
+    assert len(log) == 2 and not worker._sliced and not worker.finished
+    assert worker.take_finished_loads() == {"a"}  # vLLM frees the blocks only then
+    assert worker.take_finished_loads() is None
