@@ -94,7 +94,7 @@ SCRIPT = textwrap.dedent(
         return out
 
     if __name__ == "__main__":
-        per_step, stats = int(sys.argv[1]), sys.argv[2]
+        per_step, stats, prefix = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "prefix"
         path = str(embedded_model_path())
         tok = AutoTokenizer.from_pretrained(path)
         ex = builtin_examples(1, chunks_per_example=4)[0]
@@ -111,13 +111,14 @@ SCRIPT = textwrap.dedent(
             kv_connector_extra_config=extra,
         )
         llm = LLM(model=path, kv_transfer_config=kv, enforce_eager=True, max_model_len=2048,
-                  seed=0, enable_prefix_caching=False)
+                  seed=0, enable_prefix_caching=prefix)
         sp = SamplingParams(temperature=0, max_tokens=10)
         result = {"answers": {}}
-        for name in ("warm", "other", "reordered"):
+        # with prefix caching, "same_start" shares whole blocks with "warm" (vLLM's own hit)
+        for name in ("warm", "same_start") if prefix else ("warm", "other", "reordered"):
             out = llm.generate([{"prompt_token_ids": prompts[name]}], sp, use_tqdm=False)[0]
             result["answers"][name] = out.outputs[0].text
-        if per_step:
+        if per_step and not prefix:
             result["decode"] = decode_during_blend(llm, prompts)
             result["abort"] = abort_in_flight(llm, prompts)
             out = llm.generate([{"prompt_token_ids": prompts["reordered"]}], sp,
@@ -137,7 +138,7 @@ ENV = {
 COMPARED = ("claimed", "num_reusable", "recomputed_reusable", "selected_digest", "prefix_len")
 
 
-def _run(tmp_path, per_step: int) -> tuple[dict, list[dict]]:
+def _run(tmp_path, per_step: int, prefix: bool = False) -> tuple[dict, list[dict]]:
     try:
         from lmcache_backend.embedded import embedded_model_path
 
@@ -146,9 +147,10 @@ def _run(tmp_path, per_step: int) -> tuple[dict, list[dict]]:
         pytest.skip(str(exc))
     script = tmp_path / "sliced.py"
     script.write_text(SCRIPT)
-    stats = tmp_path / f"blend{per_step}.jsonl"
+    stats = tmp_path / f"blend{per_step}{'-prefix' if prefix else ''}.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    result = run_result_script(script, [str(per_step), str(stats)], {**env, **ENV}, timeout=600)
+    args = [str(per_step), str(stats), "prefix" if prefix else "-"]
+    result = run_result_script(script, args, {**env, **ENV}, timeout=600)
     records = [json.loads(line) for line in stats.read_text().splitlines()]
     return result, records
 
@@ -194,3 +196,14 @@ def test_abort_in_flight_drops_the_blend_and_frees_the_blocks(runs) -> None:
     assert abort["dropped"] and abort["released"] and abort["blocks_back"], abort
     assert not [r for r in records if r["req_id"] == abort["id"]], "a dropped blend: no record"
     assert sliced["answers"]["reordered_after_abort"] == sync["answers"]["reordered"]
+
+
+def test_sliced_blend_over_a_vllm_prefix_hit(tmp_path) -> None:
+    """Prefix caching on: vLLM's own blocks of the shared start are read back (``prefix_len``);
+    the sliced blend still matches the synchronous one."""
+    sync, sync_records = _run(tmp_path, 0, prefix=True)
+    sliced, sliced_records = _run(tmp_path, LAYERS_PER_STEP, prefix=True)
+    (want,), (got,) = sync_records, sliced_records
+    assert want["prefix_len"] > 0 and got["blend_steps"] > 1
+    assert {k: got[k] for k in COMPARED} == {k: want[k] for k in COMPARED}
+    assert sliced["answers"] == sync["answers"]
