@@ -37,6 +37,9 @@ from lmcache_backend.models.vllm import vllm_fingerprint
 
 logger = logging.getLogger(__name__)
 
+#: the vLLM release whose asynchronous-load path (``blend_layers_per_step``) was checked
+SLICED_VERIFIED_RELEASE = "0.32.0"
+
 
 def _route_logs_like_vllm() -> None:
     """Show this package's INFO lines (claims, blends) in vLLM's output: the package logger has
@@ -81,6 +84,14 @@ class CacheBlendConnector(KVConnectorBase_V1):
             super().__init__(vllm_config, role)
         self.settings = settings
         self.profile = profile
+        if settings.blend_layers_per_step and profile.release != SLICED_VERIFIED_RELEASE:
+            logger.warning(
+                "blend_layers_per_step=%d relies on vLLM's asynchronous KV loads, verified with "
+                "vLLM %s only (this is %s)",
+                settings.blend_layers_per_step,
+                SLICED_VERIFIED_RELEASE,
+                profile.release,
+            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
