@@ -361,3 +361,76 @@ def test_retriever_stacks_every_layers_hits_with_zero_rows_between() -> None:
         got = task.result(layer)
         torch.testing.assert_close(keys[layer], got.k)
         torch.testing.assert_close(values[layer], got.v)
+
+
+@pytest.mark.parametrize("selection", ["query_preview_last", "query_preview", "kv_deviation"])
+def test_blend_passes_step_through_the_preview_too(tiny, selection) -> None:
+    """``blend_passes`` yields every layer pass (the preview's first), and gives the result of
+    ``blend``; ``blend_layer`` still yields the blend's layers only."""
+    _, model = tiny
+    layers = model.config.num_hidden_layers
+    blender, cache = _setup(model, ratios=(0.3,), selection=selection)
+    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    end = len(tokens) - len(Q2)
+    passes = blender.blend_passes(tokens, compute_end=end)
+    seen = []
+    while True:
+        try:
+            seen.append(next(passes))
+        except StopIteration as done:
+            stepped = done.value
+            break
+    preview = [("preview", i) for i in range(layers)] if "preview" in selection else []
+    assert seen == preview + [("blend", i) for i in range(layers)]
+    whole = blender.blend(tokens, compute_end=end)
+    assert stepped.recomputed.tolist() == whole.recomputed.tolist()
+    for layer in range(layers):
+        torch.testing.assert_close(stepped.keys[layer], whole.keys[layer], rtol=0, atol=0)
+        torch.testing.assert_close(stepped.values[layer], whole.values[layer], rtol=0, atol=0)
+    assert list(blender.blend_layer(tokens, compute_end=end)) == list(range(layers))
+
+
+@pytest.mark.parametrize("selection", ["query_preview_last", "query_preview"])
+@pytest.mark.parametrize("ratio", [0.0, 0.3])
+def test_strict_end_changes_nothing_for_the_preview_selections(tiny, selection, ratio) -> None:
+    """A preview selection never computes a token from ``compute_end`` on in a blend layer:
+    ``strict_end`` gives the same selection and K/V."""
+    _, model = tiny
+
+    blender, cache = _setup(model, ratios=(ratio,), selection=selection)
+    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    end = len(tokens) - len(Q2)
+    loose = blender.blend(tokens, compute_end=end)
+    strict = blender.blend(tokens, compute_end=end, strict_end=True)
+    assert strict.recomputed.tolist() == loose.recomputed.tolist()
+    assert all(i < end for i in strict.recomputed.tolist())
+    assert strict.token_layers == loose.token_layers
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(strict.keys[layer], loose.keys[layer], rtol=0, atol=0)
+        torch.testing.assert_close(strict.values[layer], loose.values[layer], rtol=0, atol=0)
+
+
+def test_strict_end_fallback_prefills_the_head_alone(tiny) -> None:
+    """A fallback under ``strict_end`` is the full prefill of the tokens before ``compute_end``
+    (their K/V do not depend on the later tokens); a check-layer selection refuses it."""
+    _, model = tiny
+    blender, cache = _setup(model, ratios=(0.3,), min_tokens=10_000, selection="query_preview")
+    _warm(model, cache, _prompt(SYS, C1, Q1))
+    tokens = _prompt(C1, SYS, Q1)
+    end = len(tokens) - len(Q1)
+    whole = blender.blend(tokens)
+    head = blender.blend(tokens, compute_end=end, strict_end=True)
+    assert not head.blended and head.logits is None
+    assert head.recomputed.tolist() == list(range(end))
+    assert head.token_layers == end * model.config.num_hidden_layers
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(head.keys[layer], whole.keys[layer][:end])
+        torch.testing.assert_close(head.values[layer], whole.values[layer][:end])
+    with pytest.raises(ValueError, match="strict_end needs compute_end"):
+        blender.blend(tokens, strict_end=True)
+    checking, cache = _setup(model, ratios=(0.3,), selection="kv_deviation")
+    _warm(model, cache, _prompt(SYS, C1, Q1))
+    with pytest.raises(ValueError, match="strict_end"):
+        checking.blend(tokens, compute_end=end, strict_end=True)

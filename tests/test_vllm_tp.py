@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent(
             kv_connector="CacheBlendConnector",
             kv_connector_module_path="lmcache_backend.integration.vllm.connector",
             kv_role="kv_both",
-            kv_connector_extra_config={"stats_file": sys.argv[1]},
+            kv_connector_extra_config={"stats_file": sys.argv[1],
+                                       "blend_layers_per_step": int(sys.argv[2])},
         )
         llm = LLM(model=path, kv_transfer_config=kv, tensor_parallel_size=3, enforce_eager=True,
                   max_model_len=2048, seed=0, enable_prefix_caching=False)
@@ -62,7 +63,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_three_ranks_blend_consistently(tmp_path) -> None:
+_PART: dict[int, tuple[str, str]] = {}  # blend_layers_per_step -> (answer, selected_digest)
+
+
+@pytest.mark.parametrize("layers_per_step", [0, 8], ids=["synchronous", "sliced"])
+def test_three_ranks_blend_consistently(tmp_path, layers_per_step) -> None:
+    """With ``blend_layers_per_step`` the ranks run the same passes per step (a fixed count):
+    they select the same tokens, and the answer and selection are the synchronous blend's."""
     (tmp_path / "tp.py").write_text(SCRIPT)
     stats = tmp_path / "blend.jsonl"
     env = {
@@ -74,7 +81,8 @@ def test_three_ranks_blend_consistently(tmp_path) -> None:
         "LMCACHE_BLEND_MIN_TOKENS": "32",
         "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15",
     }
-    out = run_result_script(tmp_path / "tp.py", [str(stats)], env, timeout=540)
+    args = [str(stats), str(layers_per_step)]
+    out = run_result_script(tmp_path / "tp.py", args, env, timeout=540)
     assert out["warm_cached"] == 0
     # claimed up to the question, which vLLM computes
     assert out["full_cached"] == out["part_cached"] == out["tail"] < out["n"] - 1
@@ -93,3 +101,8 @@ def test_three_ranks_blend_consistently(tmp_path) -> None:
     part = [rows for rows in by_request.values() if rows[0]["recompute_fraction"] < 1.0]
     assert len(part) == 1, records
     assert all(0.14 <= r["recompute_fraction"] <= 0.17 for r in part[0]), part
+    steps = {r["blend_steps"] for r in part[0]}
+    assert steps == ({1} if layers_per_step == 0 else {-(-60 // layers_per_step)}), part
+    _PART[layers_per_step] = (out["part"], part[0][0]["selected_digest"])
+    if layers_per_step and 0 in _PART:
+        assert _PART[layers_per_step] == _PART[0], "the sliced blend is the synchronous one"

@@ -9,7 +9,9 @@ nothing else runs, and the longest gap while the other prompt is prefilled, with
 time to first token.
 
 Blending runs before the step's forward pass, in the step that schedules the claimed prompt, so
-the stream's gap in that step is about the blend's time plus one decode step.
+the stream's gap in that step is about the blend's time plus one decode step. With
+``--layers-per-step n`` (the connector's ``blend_layers_per_step``) the blend is sliced over
+steps, ``n`` layer passes each, and the stream decodes between the slices.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream-tokens", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
+    parser.add_argument(
+        "--layers-per-step", type=int, default=0, help="blend_layers_per_step (0: synchronous)"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
@@ -44,7 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     llm = LLM(
         model=path,
-        kv_transfer_config=KVTransferConfig(**kv_transfer_config()),
+        kv_transfer_config=KVTransferConfig(
+            **kv_transfer_config(blend_layers_per_step=args.layers_per_step or None)
+        ),
         enable_prefix_caching=False,
         enforce_eager=args.eager,
         max_model_len=8192,

@@ -121,6 +121,9 @@ class BlendMetadata:
         compute_end: tokens from this index on are the engine's to compute: dropped from
             ``active`` once the selection is fixed (after the last check layer, or at once for a
             fixed selection); None computes the whole prompt.
+        strict_end: no token from ``compute_end`` on is ever computed by a blend layer, not even
+            in a fallback (the engine holds no cache slots for them): a fallback runs as the
+            full prefill of tokens ``0..compute_end-1`` alone.
     """
 
     positions: torch.Tensor
@@ -139,6 +142,7 @@ class BlendMetadata:
     token_layers: int = 0
     fallback_reason: str | None = None
     compute_end: int | None = None
+    strict_end: bool = False
 
     def drop_tail(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (indices into ``active``) without the tokens left to the engine."""
@@ -234,6 +238,7 @@ class LMCBlender:
         cached_prefix: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
         recompute: torch.Tensor | None = None,
         compute_end: int | None = None,
+        strict_end: bool = False,
     ) -> BlendMetadata:
         """Look the request's segments up and decide whether to blend.
 
@@ -248,6 +253,11 @@ class LMCBlender:
                 uncached tokens and the last token are added.
             compute_end: leave tokens ``compute_end..T-1`` to the engine once the selection is
                 fixed (``1 <= compute_end <= T``); see :class:`BlendMetadata`.
+            strict_end: never compute a token from ``compute_end`` on in a blend layer (the
+                engine has no cache slots for them). Only for selections that do not read those
+                tokens in a blend layer: a fixed ``recompute``, the preview selections (their
+                preview pass writes nothing) or a fallback; a check-layer selection raises
+                ``ValueError``.
         """
         token_list = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         num_tokens = len(token_list)
@@ -267,6 +277,8 @@ class LMCBlender:
             valid[:prefix_len] = True
         if compute_end is not None and not 1 <= compute_end <= num_tokens:
             raise ValueError(f"compute_end must be in 1..{num_tokens}, got {compute_end}")
+        if strict_end and compute_end is None:
+            raise ValueError("strict_end needs compute_end")
         for name, flags in (("mask", mask), ("recompute", recompute)):
             if flags is not None and flags.numel() != num_tokens:
                 raise ValueError(f"{name} has {flags.numel()} entries for {num_tokens} tokens")
@@ -285,8 +297,23 @@ class LMCBlender:
             logger.info("CacheBlend falls back to a full prefill: %s", reason)
             valid.zero_()
             num_reusable = 0
+            if strict_end:
+                # causal attention: tokens before compute_end do not depend on the later ones,
+                # so the prefill of the head alone gives their K/V (and computes nothing after)
+                num_tokens = compute_end
+                valid = valid[:num_tokens]
         active = torch.arange(num_tokens)
         schedule = dict(self.config.check_schedule()) if num_reusable else {}
+        if (
+            strict_end
+            and schedule
+            and recompute is None
+            and self.config.blend_selection not in PREVIEW_SELECTIONS
+        ):
+            raise ValueError(
+                f"strict_end: blend_selection={self.config.blend_selection!r} computes the "
+                "tokens after compute_end at its check layers"
+            )
         if recompute is not None and num_reusable:
             chosen = recompute.to("cpu", torch.bool) | ~valid
             chosen[-1] = True
@@ -307,6 +334,7 @@ class LMCBlender:
             cached_prefix=cached_prefix if num_reusable else None,
             fallback_reason=reason,
             compute_end=compute_end,
+            strict_end=strict_end,
         )
         if recompute is not None:  # a fixed selection: the tail is the engine's from layer 0
             meta.active = meta.active[meta.drop_tail(torch.arange(meta.active.numel()))]
@@ -619,8 +647,11 @@ class LMCBlender:
             cached_k, cached_v = self._cached_layer(layer, meta)
             writer.write_rows(layer, every, cached_k, cached_v)
 
-    def _preview_selection(self, meta: BlendMetadata, token_ids: torch.Tensor) -> None:
-        """``query_preview``: choose the recomputed tokens before the blend.
+    def _preview_selection(
+        self, meta: BlendMetadata, token_ids: torch.Tensor
+    ) -> Generator[int, None, None]:
+        """``query_preview``: choose the recomputed tokens before the blend, yielding each
+        finished preview layer id (nothing when there is nothing to choose).
 
         The query tokens (and any uncached ones) run alone through every layer over the cached
         K/V, as naive reuse computes them; the reusable tokens that contribute most to their
@@ -650,8 +681,7 @@ class LMCBlender:
         )
         mass = torch.zeros(meta.positions.numel(), dtype=torch.float32, device=valid.device)
         last = torch.zeros_like(mass) if self.config.blend_selection == QUERY_PREVIEW_LAST else None
-        for _ in self._run_layers(preview, token_ids, None, mass, last):
-            pass
+        yield from self._run_layers(preview, token_ids, None, mass, last)
         if self.score_reducer is not None:
             mass = self.score_reducer(mass)
             last = None if last is None else self.score_reducer(last)
@@ -684,15 +714,45 @@ class LMCBlender:
         """Run the request layer by layer, yielding each finished layer id; the generator's
         return value (``StopIteration.value``) is the :class:`BlendResult`. ``request`` takes
         :meth:`start_request`'s keyword arguments (``cached_prefix``, ``recompute``,
-        ``compute_end``)."""
+        ``compute_end``, ``strict_end``). A preview selection's preview layers run inside the
+        first step (see :meth:`blend_passes` to step through them too)."""
+        passes = self.blend_passes(tokens, mask, **request)
+        while True:
+            try:
+                kind, layer = next(passes)
+            except StopIteration as done:
+                return done.value
+            if kind == "blend":
+                yield layer
+
+    @torch.no_grad()
+    def blend_passes(
+        self,
+        tokens: torch.Tensor | Sequence[int],
+        mask: torch.Tensor | None = None,
+        **request: Any,
+    ) -> Generator[tuple[str, int], None, BlendResult]:
+        """:meth:`blend_layer`, yielding ``(kind, layer id)`` after every layer pass: ``kind`` is
+        ``"preview"`` for a preview selection's preview layers (they come first) and
+        ``"blend"`` for the blend's layers. An engine can run a fixed number of passes at a
+        time (the vLLM connector's ``blend_layers_per_step``)."""
         self.timer.mark()
         meta = self.start_request(tokens, mask, **request)
         token_ids = torch.as_tensor(tokens, dtype=torch.int64)
+        writer = self.gpu_connector  # the request's writer, whatever it is when it resumes
         if self.config.blend_selection in PREVIEW_SELECTIONS and meta.schedule:
-            self._preview_selection(meta, token_ids)
-        hidden = yield from self._run_layers(meta, token_ids, self.gpu_connector)
+            for layer in self._preview_selection(meta, token_ids):
+                yield "preview", layer
+        layers = self._run_layers(meta, token_ids, writer)
+        while True:
+            try:
+                layer = next(layers)
+            except StopIteration as done:
+                hidden = done.value
+                break
+            yield "blend", layer
         logits = None
-        if meta.compute_end is None or meta.task is None:
+        if not meta.strict_end and (meta.compute_end is None or meta.task is None):
             logits = self.model.logits(hidden[-1:])[0]
             self.timer.lap("logits")
         return BlendResult(
@@ -713,9 +773,10 @@ class LMCBlender:
         **kwargs: Any,
     ) -> BlendResult:
         """Run CacheBlend for one request; see the module docstring. ``kwargs`` may hold
-        :meth:`start_request`'s ``cached_prefix``, ``recompute`` and ``compute_end``; other keys
+        :meth:`start_request`'s ``cached_prefix``, ``recompute``, ``compute_end`` and
+        ``strict_end``; other keys
         (LMCache passes KV buffers this way) are ignored."""
-        keys = ("cached_prefix", "recompute", "compute_end")
+        keys = ("cached_prefix", "recompute", "compute_end", "strict_end")
         request = {k: kwargs[k] for k in keys if k in kwargs}
         steps = self.blend_layer(tokens, mask, **request)
         while True:

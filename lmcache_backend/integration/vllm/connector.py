@@ -37,6 +37,9 @@ from lmcache_backend.models.vllm import vllm_fingerprint
 
 logger = logging.getLogger(__name__)
 
+#: the vLLM release whose asynchronous-load path (``blend_layers_per_step``) was checked
+SLICED_VERIFIED_RELEASE = "0.32.0"
+
 
 def _route_logs_like_vllm() -> None:
     """Show this package's INFO lines (claims, blends) in vLLM's output: the package logger has
@@ -81,6 +84,14 @@ class CacheBlendConnector(KVConnectorBase_V1):
             super().__init__(vllm_config, role)
         self.settings = settings
         self.profile = profile
+        if settings.blend_layers_per_step and profile.release != SLICED_VERIFIED_RELEASE:
+            logger.warning(
+                "blend_layers_per_step=%d relies on vLLM's asynchronous KV loads, verified with "
+                "vLLM %s only (this is %s)",
+                settings.blend_layers_per_step,
+                SLICED_VERIFIED_RELEASE,
+                profile.release,
+            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -104,15 +115,23 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        # Synchronous: vLLM runs a load before the forward pass only when it is not async.
-        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+        # Synchronous (vLLM runs the load before the step's forward pass) unless the claim is
+        # sliced (blend_layers_per_step): then vLLM parks the request until finished_recving.
+        claimed = self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        return claimed, claimed > 0 and self._scheduler.is_sliced(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        self._scheduler.after_alloc(request, num_external_tokens)
+        block_ids = None
+        if num_external_tokens and self._scheduler.is_sliced(request):
+            block_ids = blocks.get_block_ids()[0]
+        self._scheduler.after_alloc(request, num_external_tokens, block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         plan = self._scheduler.build(scheduler_output)
-        return CacheBlendConnectorMetadata(loads=plan.loads, saves=plan.saves)
+        return CacheBlendConnectorMetadata(loads=plan.loads, saves=plan.saves, cancels=plan.cancels)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.loads_finished(getattr(connector_output, "finished_recving", None))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._scheduler.finished(request)
@@ -124,13 +143,27 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # A step with a synchronous load runs this before its forward pass; a step with sliced
+        # loads only (or no tokens at all) after it (vLLM's _get_kv_connector_output,
+        # kv_connector_no_forward). Sliced loads start first, then cancels drop blends of
+        # aborted requests, and only then do the blends in flight advance.
         meta = self._get_connector_metadata()
         for spec in getattr(meta, "loads", ()):
-            self._worker.load(spec)
+            if spec.sliced:
+                self._worker.start(spec)
+            else:
+                self._worker.load(spec)
+        for req_id in getattr(meta, "cancels", ()):
+            self._worker.cancel(req_id)
+        self._worker.advance()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads complete inside start_load_kv, before the forward pass.
         return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # finished_recving: sliced loads completed (or cancelled) this step
+        return None, self._worker.take_finished_loads()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

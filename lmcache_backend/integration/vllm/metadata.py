@@ -17,6 +17,10 @@ class LoadSpec:
         end: the connector provides tokens ``prefix_len..end-1``; vLLM computes the rest.
         recompute_ratios, check_layers: this request's schedule (None: the engine's).
         selection: this request's token selector (None: the engine's).
+        sliced: an asynchronous load (``blend_layers_per_step > 0``): the blend starts this
+            step and advances a fixed number of layer passes per step; vLLM allocated blocks
+            for tokens ``0..end-1`` only, and schedules the request once the worker reports it
+            in ``finished_recving``.
     """
 
     req_id: str
@@ -27,6 +31,7 @@ class LoadSpec:
     recompute_ratios: list[float] | None = None
     check_layers: list[int] | None = None
     selection: str | None = None
+    sliced: bool = False
 
 
 @dataclass
@@ -40,5 +45,11 @@ class SaveSpec:
 
 @dataclass
 class CacheBlendMetadata:
+    """The step's plan. ``cancels``: requests finished (aborted) while their sliced blend may be
+    in flight: the workers drop it before advancing any slice, so nothing writes their blocks
+    again, and report them in ``finished_recving`` (vLLM frees the blocks of a request aborted
+    in WAITING_FOR_REMOTE_KVS only then)."""
+
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)

@@ -8,6 +8,14 @@ cached: vLLM computes it in its own forward pass, over the blended K/V, and its 
 the first output token.
 Nothing claimed: vLLM prefills normally, and the workers store the prompt's segments afterwards.
 
+With ``blend_layers_per_step > 0`` a claim whose selection never computes a token of the tail in
+a blend layer (the preview selections) is loaded asynchronously instead: vLLM allocates blocks for
+the claimed tokens only and parks the request in WAITING_FOR_REMOTE_KVS
+(``Scheduler.schedule``); the next plan carries a ``sliced`` load, the workers advance it a fixed
+number of layer passes per step and report it in ``finished_recving``; vLLM then schedules the
+request with the claim counted as computed (``_update_waiting_for_remote_kv``) and computes the
+tail. A request aborted meanwhile is sent to the workers as a cancel.
+
 The lookup is the store's cross-process index (:func:`lmcache_backend.storage.create_lookup`),
 one per tensor-parallel rank: a segment counts only when every rank holds its shard.
 """
@@ -18,6 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
 from lmcache_backend.storage import create_lookup
@@ -35,6 +44,7 @@ class _Claim:
     ratios: list[float] | None
     layers: list[int] | None
     selection: str | None
+    sliced: bool = False
 
 
 @dataclass
@@ -71,6 +81,11 @@ class SchedulerSide:
         ]
         self._claims: dict[str, _Claim] = {}
         self._tracked: dict[str, _Tracked] = {}
+        # sliced claims: allocated, their load not yet planned (rid -> claim, block ids)
+        self._starting: dict[str, tuple[_Claim, list[int]]] = {}
+        # sliced loads planned and not yet reported finished by the workers
+        self._loading: set[str] = set()
+        self._cancels: list[str] = []
         self.stats = ClaimStats()
 
     # -- claims ---------------------------------------------------------------------------
@@ -131,6 +146,8 @@ class SchedulerSide:
             ratios=list(config.blend_recompute_ratios) if own else None,
             layers=list(config.blend_check_layers) if own else None,
             selection=config.blend_selection if own else None,
+            sliced=self.settings.blend_layers_per_step > 0
+            and config.blend_selection in PREVIEW_SELECTIONS,
         )
         self.stats.claimed_requests += 1
         self.stats.claimed_tokens += claim
@@ -147,14 +164,37 @@ class SchedulerSide:
         )
         return claim
 
-    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def is_sliced(self, request: Any) -> bool:
+        """Whether the claim just made for ``request`` is loaded asynchronously."""
+        claim = self._claims.get(request.request_id)
+        return claim is not None and claim.sliced
+
+    def after_alloc(self, request: Any, num_external_tokens: int, block_ids: Any = None) -> None:
+        """vLLM allocated ``request``'s blocks (``block_ids``: the first KV-cache group's, read
+        for a sliced claim, whose load is planned now: the request is not scheduled)."""
+        rid = request.request_id
         if num_external_tokens == 0:  # vLLM chose not to load (e.g. a longer local hit)
-            self._claims.pop(request.request_id, None)
+            self._claims.pop(rid, None)
+            return
+        claim = self._claims.get(rid)
+        if claim is not None and claim.sliced:
+            self._starting[rid] = (self._claims.pop(rid), list(block_ids or []))
+
+    def loads_finished(self, req_ids: Any) -> None:
+        """The workers reported these loads finished (``finished_recving``)."""
+        for rid in req_ids or ():
+            self._loading.discard(rid)
 
     # -- per-step plan --------------------------------------------------------------------
 
     def build(self, scheduler_output: Any) -> CacheBlendMetadata:
-        meta = CacheBlendMetadata()
+        meta = CacheBlendMetadata(cancels=self._cancels)
+        self._cancels = []
+        for rid, (claim, block_ids) in self._starting.items():
+            meta.loads.append(self._load_spec(rid, claim, claim.token_ids, block_ids, sliced=True))
+            self._loading.add(rid)
+        self._starting = {}
+        self._loading.difference_update(meta.cancels)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids or [])
@@ -193,23 +233,36 @@ class SchedulerSide:
     ) -> None:
         claim = self._claims.pop(rid, None)
         if claim is not None and num_computed == claim.end:
-            meta.loads.append(
-                LoadSpec(
-                    rid,
-                    tracked.token_ids,
-                    list(tracked.block_ids),
-                    claim.prefix_len,
-                    claim.end,
-                    claim.ratios,
-                    claim.layers,
-                    claim.selection,
-                )
-            )
+            meta.loads.append(self._load_spec(rid, claim, tracked.token_ids, tracked.block_ids))
         if num_computed + scheduled.get(rid, 0) >= len(tracked.token_ids):
             # the prompt's K/V are complete after this step: store its segments, stop tracking
             meta.saves.append(SaveSpec(rid, tracked.token_ids, list(tracked.block_ids)))
             self._tracked.pop(rid, None)
 
+    @staticmethod
+    def _load_spec(
+        rid: str, claim: _Claim, tokens: list[int], block_ids: list[int], sliced: bool = False
+    ) -> LoadSpec:
+        return LoadSpec(
+            rid,
+            tokens,
+            list(block_ids),
+            claim.prefix_len,
+            claim.end,
+            claim.ratios,
+            claim.layers,
+            claim.selection,
+            sliced=sliced,
+        )
+
     def finished(self, request: Any) -> None:
-        self._claims.pop(request.request_id, None)
-        self._tracked.pop(request.request_id, None)
+        rid = request.request_id
+        self._claims.pop(rid, None)
+        self._tracked.pop(rid, None)
+        # vLLM frees the blocks of a request aborted while loading only once a worker reports
+        # it in finished_recving: a load not yet planned is planned and cancelled in one step
+        # (workers start a step's loads before its cancels), one in flight is dropped by the
+        # workers before their next slice.
+        if rid in self._starting or rid in self._loading:
+            self._loading.discard(rid)
+            self._cancels.append(rid)

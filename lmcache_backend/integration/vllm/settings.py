@@ -27,6 +27,7 @@ CONNECTOR_KEYS = (
     "allow_untested_versions",
     "verify_on_start",
     "profile",
+    "blend_layers_per_step",
 )
 
 #: ``kv_transfer_params`` keys a request may set.
@@ -50,6 +51,13 @@ class ConnectorSettings:
             ready and log the result (see :mod:`lmcache_backend.verify`).
         num_layers: the model's decoder layers (a request's check layers must exist).
         profile: time the phases of each blended request (``BlendRecord.profile``).
+        blend_layers_per_step: 0 (default): a claimed prompt is blended at once, before the
+            forward pass of the step that computes its question tail. ``n > 0``: prompts whose
+            selection never computes a token of the tail in a blend layer (the preview
+            selections) are loaded asynchronously, ``n`` layer passes per engine step (preview
+            layers count), so the other requests keep decoding between the slices; the
+            check-layer selections stay synchronous. A fixed number of passes, never a time
+            budget: tensor-parallel ranks run the same collectives in the same order.
     """
 
     config: BlendConfig
@@ -61,6 +69,7 @@ class ConnectorSettings:
     verify_on_start: bool = False
     num_layers: int | None = None
     profile: bool = False
+    blend_layers_per_step: int = 0
 
     def rank_instance(self, rank: int) -> str:
         """Index id of one rank (the same on the scheduler and on that rank's worker)."""
@@ -111,7 +120,17 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         verify_on_start=_flag("verify_on_start", own.get("verify_on_start", False)),
         num_layers=num_layers,
         profile=_flag("profile", own.get("profile", False)),
+        blend_layers_per_step=_count("blend_layers_per_step", own.get("blend_layers_per_step", 0)),
     )
+
+
+def _count(key: str, value: Any) -> int:
+    """A non-negative integer connector key (an int, or a string of digits)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ConfigError(f"{key}={value!r}: expected an integer >= 0")
 
 
 def _flag(key: str, value: Any) -> bool:

@@ -7,6 +7,12 @@ re-enter the connector hooks. Tokens vLLM's prefix cache already holds are read 
 cache and passed as ``cached_prefix``. Each layer's blended K/V rows of the claimed tokens go into
 the paged cache as soon as the layer is final.
 
+With ``blend_layers_per_step > 0``, a sliced load (:attr:`LoadSpec.sliced`) starts a blend that
+advances that many layer passes per step (preview layers count), the oldest blend first; once
+it completes, the request is reported in ``finished_recving`` (``get_finished``) and vLLM
+schedules its tail. Its rows stop at the claim's end (vLLM allocated no blocks for the tail) and
+the blender runs with ``strict_end``: no blend layer computes a tail token.
+
 After the forward pass (``wait_for_save``), prompts whose K/V are complete are read back from the
 paged cache and their segments stored (those the store lacks), whichever path computed them.
 """
@@ -73,6 +79,10 @@ class BlendRecord:
     #: milliseconds per phase (``profile: true`` only): the blender's phases, ``prefix read``
     #: and ``vllm step`` (vLLM's own forward pass of the step that follows the blend)
     profile: dict[str, float] | None = None
+    #: engine steps the blend ran in (more than 1 for a sliced load); ``blend_ms`` counts the
+    #: blend's own time only, ``blend_wall_ms`` from its start to its end
+    blend_steps: int = 1
+    blend_wall_ms: float = 0.0
 
 
 class _PagedWriter:
@@ -104,6 +114,10 @@ class _PagedWriter:
         self.paged_layers = 0  # layers of the current request attended over the paged cache
 
     @property
+    def attention_op(self) -> CpuAttention | None:
+        return self._attention
+
+    @property
     def paged_attention(self) -> bool:
         return self.block_ids is not None
 
@@ -133,6 +147,21 @@ class _PagedWriter:
             plan = self._plan = self._attention.plan(positions, self.block_ids)
         self.paged_layers += 1
         return self._attention(self.caches[layer_id], q, plan, scale)
+
+
+@dataclass
+class _Sliced:
+    """A sliced blend in flight (``blend_layers_per_step``)."""
+
+    spec: LoadSpec
+    passes: Any  # LMCBlender.blend_passes generator
+    blender: LMCBlender
+    writer: _PagedWriter
+    timer: Any
+    started: float
+    busy_s: float = 0.0
+    steps: int = 0
+    last: tuple[str, int] | None = None
 
 
 def _tp_consistent_ops(ops: Ops) -> Ops:
@@ -193,6 +222,8 @@ class WorkerSide:
         self.timer = PhaseTimer() if settings.profile else NO_TIMER
         self._pending: list[BlendRecord] = []  # profiled, waiting for the step's end
         self._loads_done = 0.0
+        self._sliced: dict[str, _Sliced] = {}  # in flight, oldest first
+        self._finished_loads: set[str] = set()  # sliced loads done (or cancelled) this step
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -361,28 +392,61 @@ class WorkerSide:
             values.append(v)
         return keys, values
 
+    def _prepare(self, spec: LoadSpec, writer: _PagedWriter, timer: Any) -> Any:
+        """Point ``writer`` at ``spec``'s rows, read vLLM's prefix rows back; returns the
+        ``blend_passes`` generator (not started).
+
+        Attention over the paged cache needs every row it computes there. A synchronous load's
+        blocks cover the whole prompt: the check layers before the selection is final compute
+        the tail (vLLM rewrites those rows when it computes the tail in its own forward pass,
+        after the blend). A sliced load's blocks stop at the claim's end: its rows stop there and
+        the blender runs with ``strict_end`` (no blend layer computes a tail token; the
+        scheduler slices only the selections for which that changes nothing).
+        """
+        num_tokens = len(spec.token_ids)
+        need = spec.end if spec.sliced else num_tokens
+        attend = len(spec.block_ids) * self.block_size >= need
+        stop = need if attend else spec.end
+        slots = slots_for(spec.block_ids, self.block_size, 0, stop)
+        prefix = self._read_all_layers(slots[: spec.prefix_len]) if spec.prefix_len else None
+        timer.lap("prefix read")
+        block_ids = torch.as_tensor(spec.block_ids, dtype=torch.int64) if attend else None
+        writer.target(slots[spec.prefix_len :], spec.prefix_len, stop, block_ids)
+        request = {"cached_prefix": prefix, "compute_end": spec.end}
+        if spec.sliced:
+            request["strict_end"] = True
+        return self._blender(spec).blend_passes(spec.token_ids, **request)
+
     @torch.inference_mode()
     def load(self, spec: LoadSpec) -> BlendRecord:
         """Blend ``spec``'s prompt and write tokens ``prefix_len..end-1`` into its blocks."""
         self._ensure_ready()
         started = time.perf_counter()
         self.timer.start()
-        n = num_tokens = len(spec.token_ids)
-        # Attention over the paged cache needs every row there, the query tail's too: the check
-        # layers before the selection is final compute the tail (vLLM rewrites those rows when
-        # it computes the tail in its own forward pass, after the blend).
-        attend = len(spec.block_ids) * self.block_size >= num_tokens
-        stop = num_tokens if attend else spec.end
-        slots = slots_for(spec.block_ids, self.block_size, 0, stop)
-        prefix = self._read_all_layers(slots[: spec.prefix_len]) if spec.prefix_len else None
-        self.timer.lap("prefix read")
-        block_ids = torch.as_tensor(spec.block_ids, dtype=torch.int64) if attend else None
-        self._writer.target(slots[spec.prefix_len :], spec.prefix_len, stop, block_ids)
-        result = self._blender(spec).blend(
-            spec.token_ids, cached_prefix=prefix, compute_end=spec.end
-        )
+        passes = self._prepare(spec, self._writer, self.timer)
+        while True:
+            try:
+                next(passes)
+            except StopIteration as done:
+                result = done.value
+                break
         paged_layers = self._writer.paged_layers
         self._writer.target(torch.empty(0, dtype=torch.int64), 0, 0)
+        elapsed = time.perf_counter() - started
+        return self._finish(spec, result, paged_layers, elapsed, elapsed, 1, self.timer)
+
+    def _finish(
+        self,
+        spec: LoadSpec,
+        result: Any,
+        paged_layers: int,
+        busy_s: float,
+        wall_s: float,
+        steps: int,
+        timer: Any,
+    ) -> BlendRecord:
+        """Keep the reused rows for the save, build and report the request's record."""
+        n = len(spec.token_ids)
         reused = result.valid_mask.clone()
         reused[: spec.prefix_len] = False
         if bool(reused.any()):
@@ -401,20 +465,101 @@ class WorkerSide:
             # vLLM computes tokens end..n-1 in every layer after the blend
             token_layer_fraction=(result.token_layers + (n - spec.end) * layers) / (n * layers),
             fallback_reason=result.fallback_reason,
-            blend_ms=(time.perf_counter() - started) * 1000.0,
+            blend_ms=busy_s * 1000.0,
             selected_digest=hashlib.sha256(
                 result.recomputed.to(torch.int64).numpy().tobytes()
             ).hexdigest()[:16],
             vllm_attention_layers=paged_layers,
             attention_fraction=_attention_fraction(result.recomputed, spec.end, n),
+            blend_steps=steps,
+            blend_wall_ms=wall_s * 1000.0,
         )
-        if self.settings.profile:
-            record.profile = self.timer.milliseconds()
+        if self.settings.profile and not spec.sliced:
+            record.profile = timer.milliseconds()
             self._pending.append(record)
             self._loads_done = time.perf_counter()
         else:
+            if self.settings.profile:  # the tail comes in a later step: no "vllm step"
+                record.profile = timer.milliseconds()
             self._report(record)
         return record
+
+    # -- sliced loads ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def start(self, spec: LoadSpec) -> None:
+        """Start ``spec``'s sliced blend; it advances in :meth:`advance`."""
+        self._ensure_ready()
+        started = time.perf_counter()
+        timer = PhaseTimer() if self.settings.profile else NO_TIMER
+        writer = _PagedWriter(self.layout, self.caches, self._writer.attention_op)
+        passes = self._prepare(spec, writer, timer)
+        job = _Sliced(spec, passes, self._blender(spec), writer, timer, started)
+        job.busy_s = time.perf_counter() - started
+        self._sliced[spec.req_id] = job
+
+    def cancel(self, req_id: str) -> None:
+        """Drop the blend of a request finished (aborted) while it was in flight: nothing writes
+        its blocks again; it is reported in ``finished_recving`` so vLLM frees them. A request
+        whose blend already completed (and was reported) is not reported again."""
+        job = self._sliced.pop(req_id, None)
+        if job is None:
+            return
+        job.passes.close()
+        self._finished_loads.add(req_id)
+        logger.info(
+            "CacheBlend request %s finished while blending: blend dropped after %d steps",
+            req_id,
+            job.steps,
+        )
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """Run ``blend_layers_per_step`` layer passes of the blends in flight, oldest first;
+        a blend that completes is reported in ``finished_recving``. The count never depends on
+        time: tensor-parallel ranks run the same passes (and collectives) in the same order."""
+        budget = self.settings.blend_layers_per_step
+        stepped: set[str] = set()
+        while self._sliced and budget > 0:
+            job = next(iter(self._sliced.values()))
+            if job.spec.req_id not in stepped:
+                stepped.add(job.spec.req_id)
+                job.steps += 1
+            if self._step(job):
+                budget -= 1
+            if budget == 0 and job.last == ("blend", self.model.num_layers - 1):
+                self._step(job)  # nothing left but the result: finish it this step
+
+    def _step(self, job: _Sliced) -> bool:
+        """One pass of ``job``, its writer and timer in place; False when it completed (the
+        call that only returned the result)."""
+        started = time.perf_counter()
+        blender = job.blender
+        blender.timer, blender.gpu_connector = job.timer, job.writer
+        job.timer.mark()
+        try:
+            job.last = next(job.passes)
+        except StopIteration as done:
+            result = done.value
+        else:
+            return True
+        finally:
+            blender.timer, blender.gpu_connector = self.timer, self._writer
+            job.busy_s += time.perf_counter() - started
+        rid = job.spec.req_id
+        del self._sliced[rid]
+        wall = time.perf_counter() - job.started
+        paged = job.writer.paged_layers
+        self._finish(job.spec, result, paged, job.busy_s, wall, job.steps, job.timer)
+        self._finished_loads.add(rid)
+        return False
+
+    def take_finished_loads(self) -> set[str] | None:
+        """Sliced loads completed or cancelled since the last call (``finished_recving``)."""
+        if not self._finished_loads:
+            return None
+        done, self._finished_loads = self._finished_loads, set()
+        return done
 
     def finish_step(self) -> None:
         """After the step's forward pass: report the profiled records with vLLM's step time."""

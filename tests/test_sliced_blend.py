@@ -1,0 +1,240 @@
+"""``blend_layers_per_step`` without an engine: the setting; the scheduler side of sliced
+(asynchronous) loads (which claims are sliced, the load planned once the blocks are allocated,
+the cancel of a request aborted while its blend is in flight); the worker side's pass budget
+(oldest blend first, a fixed number of passes per step, cancels)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from lmcache_backend.config import ConfigError
+
+
+def _vllm_config(path: str, extra: dict):
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, engine_id="t"),
+        model_config=SimpleNamespace(
+            hf_text_config=SimpleNamespace(num_hidden_layers=30),
+            tokenizer=path,
+            tokenizer_revision=None,
+            trust_remote_code=False,
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+@pytest.fixture
+def settings_for(tmp_path, monkeypatch):
+    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.integration.vllm.settings import load_settings
+
+    for name in list(os.environ):
+        if name.startswith("LMCACHE_"):
+            monkeypatch.delenv(name)
+    try:
+        path = str(embedded_model_path())
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+    def make(**extra):
+        base = {
+            "enable_blending": True,
+            "blend_min_tokens": 8,
+            "blend_special_str": " # # ",
+            "extra_config": {"segment_index_dir": str(tmp_path / "index")},
+        }
+        return load_settings(_vllm_config(path, {**base, **extra}))
+
+    return make
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "two", True, None])
+def test_bad_blend_layers_per_step_fails_start(settings_for, value) -> None:
+    with pytest.raises(ConfigError, match=rf"blend_layers_per_step={value!r}"):
+        settings_for(blend_layers_per_step=value)
+
+
+def test_blend_layers_per_step_defaults_to_synchronous(settings_for) -> None:
+    assert settings_for().blend_layers_per_step == 0
+    assert settings_for(blend_layers_per_step=4).blend_layers_per_step == 4
+    assert settings_for(blend_layers_per_step="3").blend_layers_per_step == 3
+
+
+def _scheduler(settings):
+    from lmcache_backend.integration.vllm.scheduler import SchedulerSide
+    from lmcache_backend.store import ModelFingerprint
+
+    fingerprint = ModelFingerprint("Llama", 30, 2, 2, 64, "rope", "float32", "w")
+    scheduler = SchedulerSide(settings, fingerprint, profile=None)
+    scheduler._cached = lambda keys: [True] * len(keys)  # every segment is held
+    return scheduler
+
+
+def _request(settings, rid="r", **params):
+    sep = settings.separator
+    tokens = list(range(100, 140)) + list(sep.ids) + list(range(200, 240)) + list(sep.ids)
+    tokens += list(range(300, 310))
+    return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, kv_transfer_params=params)
+
+
+def _output(new=(), cached_ids=()):
+    return SimpleNamespace(
+        num_scheduled_tokens={},
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached_ids)),
+    )
+
+
+def test_sliced_claim_is_planned_after_alloc_and_cancelled_on_abort(settings_for) -> None:
+    settings = settings_for(blend_layers_per_step=4)
+    scheduler = _scheduler(settings)
+    request = _request(settings)
+    claimed = scheduler.num_new_matched_tokens(request, 0)
+    assert claimed > 0 and scheduler.is_sliced(request)
+    scheduler.after_alloc(request, claimed, [7, 8, 9])
+    meta = scheduler.build(_output())
+    (load,) = meta.loads
+    assert load.sliced and load.block_ids == [7, 8, 9] and load.end == claimed
+    assert meta.cancels == []
+    # nothing planned twice; an abort while in flight is sent once
+    assert scheduler.build(_output()).loads == []
+    scheduler.finished(request)
+    assert scheduler.build(_output()).cancels == ["r"]
+    assert scheduler.build(_output()).cancels == []
+
+
+def test_a_finished_load_is_not_cancelled(settings_for) -> None:
+    settings = settings_for(blend_layers_per_step=4)
+    scheduler = _scheduler(settings)
+    request = _request(settings)
+    claimed = scheduler.num_new_matched_tokens(request, 0)
+    scheduler.after_alloc(request, claimed, [1, 2, 3])
+    scheduler.build(_output())
+    scheduler.loads_finished({"r"})
+    # vLLM schedules the tail: update_state_after_alloc comes again with 0 tokens
+    scheduler.after_alloc(request, 0)
+    new = SimpleNamespace(
+        req_id="r",
+        prompt_token_ids=request.prompt_token_ids,
+        block_ids=([1, 2, 3, 4],),
+        num_computed_tokens=claimed,
+    )
+    meta = scheduler.build(_output(new=[new]))
+    assert meta.loads == [] and [s.req_id for s in meta.saves] == []
+    scheduler.finished(request)
+    assert scheduler.build(_output()).cancels == []
+
+
+def test_abort_before_the_plan_still_reaches_the_workers(settings_for) -> None:
+    """vLLM frees a request aborted in WAITING_FOR_REMOTE_KVS only once a worker reports it:
+    the load and its cancel go out together."""
+    settings = settings_for(blend_layers_per_step=4)
+    scheduler = _scheduler(settings)
+    request = _request(settings)
+    claimed = scheduler.num_new_matched_tokens(request, 0)
+    scheduler.after_alloc(request, claimed, [1, 2, 3])
+    scheduler.finished(request)
+    meta = scheduler.build(_output())
+    assert [s.req_id for s in meta.loads] == ["r"] and meta.cancels == ["r"]
+    assert scheduler.build(_output()).cancels == []
+
+
+@pytest.mark.parametrize(
+    "per_step, params, sliced",
+    [
+        (0, {}, False),  # the default: synchronous
+        (4, {}, True),  # the default selection previews
+        (4, {"blend_selection": "query_preview"}, True),
+        (4, {"blend_selection": "kv_deviation"}, False),  # check layers compute the tail
+        (4, {"blend_selection": "query_attention"}, False),
+    ],
+)
+def test_only_tail_free_selections_are_sliced(settings_for, per_step, params, sliced) -> None:
+    settings = settings_for(blend_layers_per_step=per_step)
+    scheduler = _scheduler(settings)
+    request = _request(settings, **params)
+    claimed = scheduler.num_new_matched_tokens(request, 0)
+    assert claimed > 0 and scheduler.is_sliced(request) is sliced
+    scheduler.after_alloc(request, claimed, [1, 2, 3])
+    new = SimpleNamespace(
+        req_id="r",
+        prompt_token_ids=request.prompt_token_ids,
+        block_ids=([1, 2, 3, 4],),
+        num_computed_tokens=claimed,
+    )
+    meta = scheduler.build(_output(new=[] if sliced else [new]))
+    assert [(s.req_id, s.sliced) for s in meta.loads] == [("r", sliced)]
+
+
+def _worker(layers: int, per_step: int):
+    from lmcache_backend.integration.vllm.worker import WorkerSide
+
+    worker = WorkerSide.__new__(WorkerSide)
+    worker.settings = SimpleNamespace(blend_layers_per_step=per_step)
+    worker.model = SimpleNamespace(num_layers=layers)
+    worker.timer = worker._writer = None
+    worker._sliced, worker._finished_loads = {}, set()
+    worker.finished = []
+    worker._finish = lambda spec, result, *rest: worker.finished.append((spec.req_id, result))
+    return worker
+
+
+def _job(worker, rid: str, layers: int, preview: bool, log: list):
+    from lmcache_backend.integration.vllm.worker import _Sliced
+
+    def passes():
+        for kind in ("preview", "blend") if preview else ("blend",):
+            for layer in range(layers):
+                log.append((rid, kind, layer))
+                yield kind, layer
+        return f"result of {rid}"
+
+    spec = SimpleNamespace(req_id=rid)
+    blender = SimpleNamespace(timer=None, gpu_connector=None)
+    writer = SimpleNamespace(paged_layers=0)
+    from lmcache_backend.blend.timing import NO_TIMER
+
+    job = _Sliced(spec, passes(), blender, writer, NO_TIMER, 0.0)
+    worker._sliced[rid] = job
+    return job
+
+
+def test_worker_runs_a_fixed_number_of_passes_per_step_oldest_first() -> None:
+    worker, log = _worker(layers=4, per_step=3), []
+    a = _job(worker, "a", 4, preview=True, log=log)  # 8 passes
+    _job(worker, "b", 4, preview=False, log=log)  # 4 passes
+    counts = []
+    for _ in range(4):
+        before = len(log)
+        worker.advance()
+        counts.append(len(log) - before)
+        done = worker.take_finished_loads()
+        counts.append(sorted(done) if done else [])
+    # 3 passes a step; "a" completes in its third step (then "b" gets the rest of the budget)
+    assert counts == [3, [], 3, [], 3, ["a"], 3, ["b"]]
+    assert [rid for rid, _ in worker.finished] == ["a", "b"]
+    assert worker.finished[0][1] == "result of a" and a.steps == 3
+    assert not worker._sliced
+
+
+def test_worker_finishes_a_blend_whose_last_layer_used_the_budget() -> None:
+    worker, log = _worker(layers=4, per_step=4), []
+    job = _job(worker, "a", 4, preview=False, log=log)
+    worker.advance()
+    assert worker.take_finished_loads() == {"a"} and job.steps == 1
+
+
+def test_worker_cancel_drops_the_blend_before_it_advances() -> None:
+    worker, log = _worker(layers=4, per_step=2), []
+    _job(worker, "a", 4, preview=True, log=log)
+    worker.advance()
+    assert worker.take_finished_loads() is None
+    worker.cancel("a")
+    worker.cancel("unknown")  # completed (and reported) earlier, or never here: nothing
+    worker.advance()
+    assert len(log) == 2 and not worker._sliced and not worker.finished
+    assert worker.take_finished_loads() == {"a"}  # vLLM frees the blocks only then
+    assert worker.take_finished_loads() is None
