@@ -76,6 +76,16 @@ def _prompt(*parts: list[int]) -> list[int]:
     return out + parts[-1]
 
 
+def _collect(steps) -> tuple[list, object]:
+    """Every item a step generator yields, and its return value."""
+    items = []
+    while True:
+        try:
+            items.append(next(steps))
+        except StopIteration as done:
+            return items, done.value
+
+
 def _setup(model, ratios=(0.15,), check_layers=(1,), min_tokens=0, selection="kv_deviation"):
     adapter = HFModelAdapter(model)
     store = MemoryTier("cpu", 1 << 30, "cpu")
@@ -165,14 +175,7 @@ def test_check_layer_counts_and_gradual_filtering(tiny) -> None:
     blender, cache = _setup(model, ratios=(0.5, 0.25), check_layers=(1, 2))
     _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
     reordered = _prompt(SYS, C2, C3, C1, Q2)
-    seen_layers = []
-    steps = blender.blend_layer(reordered)
-    while True:
-        try:
-            seen_layers.append(next(steps))
-        except StopIteration as done:
-            result = done.value
-            break
+    seen_layers, result = _collect(blender.blend_layer(reordered))
     assert seen_layers == list(range(model.config.num_hidden_layers))
     total = len(reordered)
     reusable = result.num_reusable
@@ -373,14 +376,7 @@ def test_blend_passes_step_through_the_preview_too(tiny, selection) -> None:
     _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
     tokens = _prompt(SYS, C3, C1, C2, Q2)
     end = len(tokens) - len(Q2)
-    passes = blender.blend_passes(tokens, compute_end=end)
-    seen = []
-    while True:
-        try:
-            seen.append(next(passes))
-        except StopIteration as done:
-            stepped = done.value
-            break
+    seen, stepped = _collect(blender.blend_passes(tokens, compute_end=end))
     preview = [("preview", i) for i in range(layers)] if "preview" in selection else []
     assert seen == preview + [("blend", i) for i in range(layers)]
     whole = blender.blend(tokens, compute_end=end)

@@ -16,7 +16,7 @@ from lmcache_backend.blend.selection import (
     CheckInputs,
     query_and_last_scores,
     query_attention_mass,
-    value_weighted,
+    value_norms,
 )
 from lmcache_backend.config import SELECTION_CHOICES, ConfigError, load_config
 from lmcache_backend.hf_engine import hf_full_prefill
@@ -64,7 +64,7 @@ def test_query_kv_deviation_multiplies_mass_and_key_distance() -> None:
 def test_value_weighting_multiplies_mass_by_mean_value_norm() -> None:
     mass = torch.tensor([1.0, 2.0])
     values = torch.tensor([[[3.0, 4.0], [0.0, 1.0]], [[0.0, 0.0], [6.0, 8.0]]])  # norms 5,1 / 0,10
-    torch.testing.assert_close(value_weighted(mass, values), torch.tensor([3.0, 10.0]))
+    torch.testing.assert_close(mass * value_norms(values), torch.tensor([3.0, 10.0]))
 
 
 def test_query_attention_mass_by_hand() -> None:

@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import pytest
+from vllm_scripts import BLEND_ENV
 
 pytest.importorskip("vllm")
 
@@ -22,13 +23,7 @@ CONNECTOR = {
     "kv_connector_module_path": "lmcache_backend.integration.vllm.connector",
     "kv_role": "kv_both",
 }
-ENV = {
-    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "LMCACHE_ENABLE_BLENDING": "true",
-    "LMCACHE_BLEND_MIN_TOKENS": "32",
-    "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15",
-}
+ENV = BLEND_ENV
 MAX_TOKENS = 10
 
 

@@ -17,7 +17,7 @@ import os
 import textwrap
 
 import pytest
-from vllm_scripts import run_result_script
+from vllm_scripts import BLEND_ENV, run_result_script
 
 pytest.importorskip("vllm")
 
@@ -128,13 +128,7 @@ SCRIPT = textwrap.dedent(
     """
 )
 
-ENV = {
-    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "LMCACHE_ENABLE_BLENDING": "true",
-    "LMCACHE_BLEND_MIN_TOKENS": "32",
-    "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15",
-}
+ENV = BLEND_ENV
 COMPARED = ("claimed", "num_reusable", "recomputed_reusable", "selected_digest", "prefix_len")
 
 

@@ -61,6 +61,25 @@ _PHASE_NAMES = {
 }
 
 
+def run_to_end(steps: Generator[Any, None, Any]) -> Any:
+    """Exhaust ``steps`` (e.g. :meth:`LMCBlender.blend_layer`) and return its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def _tagged(kind: str, steps: Generator[Any, None, Any]) -> Generator[tuple[str, Any], None, Any]:
+    """``steps``' items as ``(kind, item)``; returns ``steps``' return value."""
+    while True:
+        try:
+            item = next(steps)
+        except StopIteration as done:
+            return done.value
+        yield kind, item
+
+
 class KVLayerWriter(Protocol):
     """Receives each layer's blended K/V as soon as it is final (e.g. into a paged cache)."""
 
@@ -741,16 +760,8 @@ class LMCBlender:
         token_ids = torch.as_tensor(tokens, dtype=torch.int64)
         writer = self.gpu_connector  # the request's writer, whatever it is when it resumes
         if self.config.blend_selection in PREVIEW_SELECTIONS and meta.schedule:
-            for layer in self._preview_selection(meta, token_ids):
-                yield "preview", layer
-        layers = self._run_layers(meta, token_ids, writer)
-        while True:
-            try:
-                layer = next(layers)
-            except StopIteration as done:
-                hidden = done.value
-                break
-            yield "blend", layer
+            yield from _tagged("preview", self._preview_selection(meta, token_ids))
+        hidden = yield from _tagged("blend", self._run_layers(meta, token_ids, writer))
         logits = None
         if not meta.strict_end and (meta.compute_end is None or meta.task is None):
             logits = self.model.logits(hidden[-1:])[0]
@@ -778,12 +789,7 @@ class LMCBlender:
         (LMCache passes KV buffers this way) are ignored."""
         keys = ("cached_prefix", "recompute", "compute_end", "strict_end")
         request = {k: kwargs[k] for k in keys if k in kwargs}
-        steps = self.blend_layer(tokens, mask, **request)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.blend_layer(tokens, mask, **request))
 
 
 class LMCBlenderBuilder:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from lmcache_backend.blend import LMCBlender, SegmentCache
+from lmcache_backend.blend.blender import run_to_end
 from lmcache_backend.blend.timing import NO_TIMER, PhaseTimer
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.integration.vllm.layouts import (
@@ -423,13 +424,7 @@ class WorkerSide:
         self._ensure_ready()
         started = time.perf_counter()
         self.timer.start()
-        passes = self._prepare(spec, self._writer, self.timer)
-        while True:
-            try:
-                next(passes)
-            except StopIteration as done:
-                result = done.value
-                break
+        result = run_to_end(self._prepare(spec, self._writer, self.timer))
         paged_layers = self._writer.paged_layers
         self._writer.target(torch.empty(0, dtype=torch.int64), 0, 0)
         elapsed = time.perf_counter() - started
