@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -145,6 +146,12 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "query_preview_last",
         "how check layers choose tokens: " + ", ".join(SELECTION_CHOICES),
     ),
+    ConfigKey(
+        "blend_position_discount",
+        float,
+        10.0,
+        "preview selections: a token's score is divided by 1 + d * position / prompt length",
+    ),
     ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
     ConfigKey("backend", str, "auto", "op backend: auto, torch, cuda or ascend"),
     ConfigKey("use_layerwise", _parse_bool, True, "LMCache key; blending is always layerwise"),
@@ -198,6 +205,9 @@ class BlendConfig:
     blend_recompute_ratios: list[float] = field(default_factory=lambda: [0.2])
     blend_check_layers: list[int] = field(default_factory=lambda: [1])
     blend_selection: str = "query_preview_last"
+    # Late tokens cost more to recompute (attention over more keys) and, measured, help less
+    # than their preview score says (docs/quality.md, "Position discount").
+    blend_position_discount: float = 10.0
     blend_min_tokens: int = 256
     backend: str = "auto"
     use_layerwise: bool = True
@@ -247,6 +257,12 @@ class BlendConfig:
                 "blend_selection",
                 self.blend_selection,
                 f"choose one of {', '.join(SELECTION_CHOICES)}",
+            )
+        if not (math.isfinite(self.blend_position_discount) and self.blend_position_discount >= 0):
+            raise self._fail(
+                "blend_position_discount",
+                self.blend_position_discount,
+                "must be a finite number >= 0 (0: every position scored alike)",
             )
         if self.blend_min_tokens < 0:
             raise self._fail("blend_min_tokens", self.blend_min_tokens, "must be >= 0")

@@ -86,7 +86,14 @@ def _collect(steps) -> tuple[list, object]:
             return items, done.value
 
 
-def _setup(model, ratios=(0.15,), check_layers=(1,), min_tokens=0, selection="kv_deviation"):
+def _setup(
+    model,
+    ratios=(0.15,),
+    check_layers=(1,),
+    min_tokens=0,
+    selection="kv_deviation",
+    position_discount=10.0,
+):
     adapter = HFModelAdapter(model)
     store = MemoryTier("cpu", 1 << 30, "cpu")
     config = load_config(
@@ -96,6 +103,7 @@ def _setup(model, ratios=(0.15,), check_layers=(1,), min_tokens=0, selection="kv
         blend_recompute_ratios=list(ratios),
         blend_check_layers=list(check_layers),
         blend_selection=selection,
+        blend_position_discount=position_discount,
     )
     blender = LMCBlender(store, None, config, adapter, SEP, get_ops("torch"))
     return blender, SegmentCache(store, adapter.fingerprint, SEP)

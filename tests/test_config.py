@@ -117,6 +117,10 @@ def test_config_file_argument_beats_env_file(tmp_path) -> None:
         ({"enable_blending": "maybe"}, "enable_blending", "maybe"),
         ({"blend_min_tokens": "many"}, "blend_min_tokens", "many"),
         ({"blend_check_layers": "1.5"}, "blend_check_layers", "1.5"),
+        ({"blend_position_discount": "-1"}, "blend_position_discount", "-1"),
+        ({"blend_position_discount": "nan"}, "blend_position_discount", "nan"),
+        ({"blend_position_discount": "inf"}, "blend_position_discount", "inf"),
+        ({"blend_position_discount": "late"}, "blend_position_discount", "late"),
     ],
 )
 def test_validation_errors_name_key_and_value(settings: dict, key: str, fragment: str) -> None:

@@ -14,6 +14,7 @@ from lmcache_backend.blend.selection import (
     PREVIEW_SELECTIONS,
     SCORERS,
     CheckInputs,
+    position_discount,
     query_and_last_scores,
     query_attention_mass,
     value_norms,
@@ -228,6 +229,40 @@ def test_query_and_last_scores_add_each_mass_as_a_share_of_its_candidates_total(
     scores = query_and_last_scores(query, last, candidates)
     torch.testing.assert_close(scores, query / 4 + last / 2)
     assert int(scores[:3].argmax()) == 1  # read by both
+
+
+def test_position_discount_divides_by_one_plus_d_times_the_relative_position() -> None:
+    positions = torch.tensor([0, 1, 4, 9])  # a prompt of 10 positions
+    torch.testing.assert_close(
+        position_discount(positions, 10.0), torch.tensor([2.0, 3.0, 6.0, 11.0])
+    )
+    torch.testing.assert_close(position_discount(positions, 0.0), torch.ones(4))
+
+
+@pytest.mark.parametrize("selection", sorted(PREVIEW_SELECTIONS))
+def test_position_discount_prefers_the_earlier_of_two_close_scores(llama, monkeypatch, selection):
+    """Token 30 scores a little below token 120: without the discount token 120 is chosen, with
+    it token 30 (120 / 30 positions apart, scores 10% apart). Scores far apart keep their order."""
+    import lmcache_backend.blend.blender as blender_module
+
+    real = blender_module.attention_with_query_mass
+
+    def fake(q, k, v, positions, scale, rows):
+        out, _, _ = real(q, k, v, positions, scale, rows)
+        mass = torch.zeros(k.shape[0])
+        mass[[30, 120, 140]] = torch.tensor([0.9, 1.0, 100.0])  # 140: far above both
+        return out, mass, mass.clone()
+
+    monkeypatch.setattr(blender_module, "attention_with_query_mass", fake)
+    monkeypatch.setattr(blender_module, "value_norms", lambda values: torch.ones(values.shape[0]))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    chosen = {}
+    for discount in (0.0, 10.0):
+        blender, cache = _setup(llama, (0.02,), selection=selection, position_discount=discount)
+        _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
+        chosen[discount] = set(blender.blend(tokens).recomputed.tolist()) & {30, 120, 140}
+    assert chosen[0.0] == {120, 140}
+    assert chosen[10.0] == {30, 140}
 
 
 def test_query_preview_last_weights_the_last_tokens_reads(llama, monkeypatch) -> None:

@@ -11,6 +11,10 @@ one question about one fact of one profile. A candidate is kept only if the mode
 so every kept example measures whether the context reached the answer. The candidates come from a
 seed disjoint from the built-in set's; the calibration is greedy and deterministic, so the file is
 reproducible on one torch build.
+
+``--seed N`` draws the candidates from another seed: a held-out set to check that a default
+chosen on the dev set carries over, e.g. ``--seed 424242 --want 40 --out /tmp/heldout.jsonl``
+(then ``lmcache-backend bench --dataset /tmp/heldout.jsonl``).
 """
 
 from __future__ import annotations
@@ -109,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEVSET_PATH)
     parser.add_argument("--candidates", type=int, default=400)
     parser.add_argument("--want", type=int, default=120, help="stop after this many kept")
+    parser.add_argument(
+        "--seed", type=int, default=CANDIDATE_SEED, help="candidate seed (another one: held out)"
+    )
     args = parser.parse_args(argv)
-    pool = candidates(args.candidates)
+    pool = candidates(args.candidates, seed=args.seed)
     kept = calibrate(pool, hf_answer(), args.want)
     write_jsonl(kept, args.out)
     print(f"kept {len(kept)} examples -> {args.out}", file=sys.stderr)

@@ -37,6 +37,7 @@ from lmcache_backend.blend.selection import (
     SCORERS,
     CheckInputs,
     attention_with_query_mass,
+    position_discount,
     query_and_last_scores,
     query_attention_mass,
     value_norms,
@@ -708,6 +709,9 @@ class LMCBlender:
             candidates = valid.clone()
             candidates[: meta.exact_prefix] = False
             mass = query_and_last_scores(mass, last, candidates)
+        if self.config.blend_position_discount > 0:
+            discount = self.config.blend_position_discount
+            mass = mass / position_discount(meta.positions.to(mass.device), discount)
         mass[: meta.exact_prefix] = _LAST_RESORT
         chosen[select_topk_with_invalid(mass, valid, count)] = True
         meta.cached_kv = preview.cached_kv

@@ -31,6 +31,12 @@ names the selector:
     token), each divided by its total over the tokens that can be chosen: the last token's
     reads count as much as all the query tokens' together.
 
+Both preview selections divide each token's score by ``1 + d * (p + 1) / P`` (``p`` its position,
+``P`` the prompt's length, ``d`` = ``blend_position_discount``, default 10): a token at the end
+of the prompt needs 11 times the score of one at the start. Late tokens cost more to recompute
+(a query at position ``p`` reads ``p + 1`` keys), and on the dev set the discount also gave
+answers closer to full prefill (docs/quality.md, "Position discount").
+
 Scores are per token ``[N]`` fp32; with tensor parallelism each rank sees only its heads, so the
 blender sums scores over ranks (``score_reducer``) before choosing, and every rank keeps the same
 tokens.
@@ -221,3 +227,10 @@ def query_and_last_scores(
         return mass / mass[candidates].sum().clamp_min(torch.finfo(torch.float32).tiny)
 
     return share(query_mass) + share(last_mass)
+
+
+def position_discount(positions: torch.Tensor, discount: float) -> torch.Tensor:
+    """``[T]`` fp32 divisors ``1 + discount * (p + 1) / P`` for the prompt's ``positions [T]``
+    (``P``: the last position + 1); all ones for ``discount`` 0."""
+    p = positions.to(torch.float32) + 1.0
+    return 1.0 + discount * p / p.max().clamp_min(1.0)
