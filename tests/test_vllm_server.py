@@ -66,8 +66,8 @@ NAMES = [
 CODES = ["3817", "5294", "6071", "7438", "8126", "9352", "2463", "4689"]
 
 
-@pytest.fixture(scope="module")
-def model_path() -> str:
+def embedded_model_or_skip() -> str:
+    """The embedded model's folder; skips the test when it is not installed."""
     try:
         from lmcache_backend.embedded import embedded_model_path
 
@@ -76,14 +76,14 @@ def model_path() -> str:
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="module")
-def server(request, tmp_path_factory, model_path):
-    tmp = tmp_path_factory.mktemp("server")
+def start_server(request, tmp_path, model_path: str, args: list[str]) -> ServerProcess:
+    """``lmcache-backend serve`` with ``args``, its stats file in ``tmp_path``; stopped when the
+    requesting fixture's scope ends."""
     srv = ServerProcess(
-        SERVER_ARGS,
+        args,
         env={"LMCACHE_BLEND_MIN_TOKENS": "32", "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15"},
-        stats_file=tmp / "blend.jsonl",
-        log_path=tmp / "server.log",
+        stats_file=tmp_path / "blend.jsonl",
+        log_path=tmp_path / "server.log",
         model=model_path,
     )
     request.addfinalizer(srv.stop)
@@ -91,8 +91,7 @@ def server(request, tmp_path_factory, model_path):
     return srv
 
 
-@pytest.fixture(scope="module")
-def rag(server, model_path):
+def rag_client(server: ServerProcess, model_path: str) -> RagClient:
     from transformers import AutoTokenizer
 
     return RagClient(
@@ -100,11 +99,31 @@ def rag(server, model_path):
     )
 
 
-@pytest.fixture(scope="module")
-def example():
+def rag_example():
+    """The example whose first three documents every concurrent client shares."""
     from lmcache_backend.examples import builtin_examples
 
     return builtin_examples(2, chunks_per_example=4)[1]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return embedded_model_or_skip()
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory, model_path):
+    return start_server(request, tmp_path_factory.mktemp("server"), model_path, SERVER_ARGS)
+
+
+@pytest.fixture(scope="module")
+def rag(server, model_path):
+    return rag_client(server, model_path)
+
+
+@pytest.fixture(scope="module")
+def example():
+    return rag_example()
 
 
 def _new_records(server, before: int) -> list[dict]:

@@ -5,7 +5,8 @@ concurrent prompts and their answers) with ``blend_layers_per_step: 4`` in the c
 extra config: the blended prompts are loaded as vLLM asynchronous KV loads over several engine
 steps, several of them queued at once, while vLLM preempts and resumes requests. Every client must
 get an answer that holds its own invented number and no other client's, and the blends must
-really have been spread over steps (``blend_steps`` in the stats file).
+really have been spread over steps (``blend_steps`` in the stats file). The connector config is
+given on the command line, so the stats file reaches it through ``serve --stats-file``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ pytest.importorskip("vllm")
 pytest.importorskip("openai")
 
 from test_vllm_server import (  # noqa: E402
-    REQUEST_TIMEOUT_S,
     SERVER_ARGS,
     _check,
     _clients,
     _report,
+    embedded_model_or_skip,
+    rag_client,
+    rag_example,
+    start_server,
 )
 
-from lmcache_backend.demos.server import RagClient, ServerProcess  # noqa: E402
 from lmcache_backend.integration.vllm import kv_transfer_config  # noqa: E402
 
 LAYERS_PER_STEP = 4
@@ -38,43 +41,19 @@ ARGS[ARGS.index("--max-model-len") + 1] = str((KV_BLOCKS - 2) * 32)  # vLLM keep
 
 
 @pytest.fixture(scope="module")
-def model_path() -> str:
-    try:
-        from lmcache_backend.embedded import embedded_model_path
-
-        return str(embedded_model_path())
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
-def server(request, tmp_path_factory, model_path):
+def server(request, tmp_path_factory):
+    # the serve command adds its stats file to this connector config
+    kv = kv_transfer_config(blend_layers_per_step=LAYERS_PER_STEP)
+    args = [*ARGS, "--kv-transfer-config", json.dumps(kv)]
     tmp = tmp_path_factory.mktemp("server-sliced")
-    stats = tmp / "blend.jsonl"
-    kv = kv_transfer_config(str(stats), blend_layers_per_step=LAYERS_PER_STEP)
-    srv = ServerProcess(
-        [*ARGS, "--kv-transfer-config", json.dumps(kv)],
-        env={"LMCACHE_BLEND_MIN_TOKENS": "32", "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15"},
-        stats_file=stats,
-        log_path=tmp / "server.log",
-        model=model_path,
-    )
-    request.addfinalizer(srv.stop)
-    srv.start(timeout_s=400)
-    return srv
+    return start_server(request, tmp, embedded_model_or_skip(), args)
 
 
 @pytest.fixture(scope="module")
-def concurrent_run(server, model_path) -> dict:
-    from transformers import AutoTokenizer
-
-    from lmcache_backend.examples import builtin_examples
-
-    rag = RagClient(
-        server.client(REQUEST_TIMEOUT_S), model_path, AutoTokenizer.from_pretrained(model_path)
-    )
+def concurrent_run(server) -> dict:
+    rag = rag_client(server, embedded_model_or_skip())
     before = len(server.stats())
-    run = _clients(server, rag, builtin_examples(2, chunks_per_example=4)[1], max_tokens=40)
+    run = _clients(server, rag, rag_example(), max_tokens=40)
     run["records"] = server.stats()[before:]
     _report(f"8 concurrent clients, blend_layers_per_step={LAYERS_PER_STEP}", run)
     return run
