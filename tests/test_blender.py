@@ -348,6 +348,41 @@ def test_compute_end_leaves_the_tail_to_the_engine(tiny, selection, ratio) -> No
         blender.blend(tokens, compute_end=len(tokens) + 1)
 
 
+@pytest.mark.parametrize("selection", ["query_preview_last", "kv_deviation"])
+def test_last_layer_skips_what_nothing_reads(tiny, selection) -> None:
+    """Without logits (``compute_end``), the last layer writes its K/V but runs no o_proj or
+    MLP, in the blend or the preview; with logits the blend's last layer runs them once (the
+    preview's never does)."""
+    _, model = tiny
+    layers = model.config.num_hidden_layers
+    blender, cache = _setup(model, ratios=(0.3,), selection=selection)
+    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    end = len(tokens) - len(Q2)
+    adapter = blender.model
+    calls: list[tuple[str, int]] = []
+
+    def recording(name):
+        method = getattr(adapter, name)
+
+        def record(layer, x):
+            calls.append((name, layer))
+            return method(layer, x)
+
+        return record
+
+    for name in ("attention_output", "mlp_block"):
+        setattr(adapter, name, recording(name))
+    head = blender.blend(tokens, compute_end=end)
+    assert head.logits is None and head.keys[layers - 1].shape[0] == len(tokens)
+    assert {layer for _, layer in calls} == set(range(layers - 1))
+    calls.clear()
+    whole = blender.blend(tokens)
+    assert whole.logits is not None
+    assert calls.count(("mlp_block", layers - 1)) == calls.count(("attention_output", layers - 1))
+    assert calls.count(("mlp_block", layers - 1)) == 1
+
+
 def test_retriever_stacks_every_layers_hits_with_zero_rows_between() -> None:
     """``stacked``: each hit's rows of every layer in place, rows no hit covers zero (the
     uninitialised buffer must not leak into them), and the same rows as ``result(layer)``."""

@@ -570,9 +570,12 @@ class LMCBlender:
         writer: KVLayerWriter | None,
         query_mass: torch.Tensor | None = None,
         last_mass: torch.Tensor | None = None,
+        last_output: bool = True,
     ) -> Generator[int, None, torch.Tensor | None]:
         """Every layer for ``meta``'s active tokens, yielding each finished layer id; returns the
-        last layer's hidden states ``[N, hidden]`` (None when no token was active).
+        last layer's hidden states ``[N, hidden]`` (None when no token was active, or when
+        ``last_output`` is False: then the last layer computes only what its K/V and
+        ``query_mass`` need, not the attention output, o_proj and MLP nothing would read).
         ``query_mass`` (``[T]`` fp32), when given, receives the value-weighted attention mass from
         the query tokens at every layer, and ``last_mass`` (with ``query_mass`` only) the same
         from the last token alone.
@@ -631,7 +634,10 @@ class LMCBlender:
                 else:  # the computed rows
                     writer.write_rows(layer, meta.active, k, v)
                 timer.lap("write-back")
+            output = last_output or layer < model.num_layers - 1
             if meta.active.numel() == 0:  # the check layer kept nothing before compute_end
+                hidden = None
+            elif not output and query_mass is None:  # its K/V are written; nothing reads more
                 hidden = None
             else:
                 if query_mass is not None:  # the preview: attention and the query's mass at once
@@ -650,9 +656,12 @@ class LMCBlender:
                         q, keys, values, positions, model.attn_scale
                     )
                 timer.lap(attention)
-                hidden = hidden + model.attention_output(layer, attn)
-                hidden = model.mlp_block(layer, hidden)
-                timer.lap(rest)
+                if output:
+                    hidden = hidden + model.attention_output(layer, attn)
+                    hidden = model.mlp_block(layer, hidden)
+                    timer.lap(rest)
+                else:  # the preview's last layer: only its attention mass is used
+                    hidden = None
             if writer is not None and not paged:
                 writer.write_layer(layer, keys, values)
                 timer.lap("write-back")
@@ -701,7 +710,7 @@ class LMCBlender:
         )
         mass = torch.zeros(meta.positions.numel(), dtype=torch.float32, device=valid.device)
         last = torch.zeros_like(mass) if self.config.blend_selection == QUERY_PREVIEW_LAST else None
-        yield from self._run_layers(preview, token_ids, None, mass, last)
+        yield from self._run_layers(preview, token_ids, None, mass, last, last_output=False)
         if self.score_reducer is not None:
             mass = self.score_reducer(mass)
             last = None if last is None else self.score_reducer(last)
@@ -765,9 +774,12 @@ class LMCBlender:
         writer = self.gpu_connector  # the request's writer, whatever it is when it resumes
         if self.config.blend_selection in PREVIEW_SELECTIONS and meta.schedule:
             yield from _tagged("preview", self._preview_selection(meta, token_ids))
-        hidden = yield from _tagged("blend", self._run_layers(meta, token_ids, writer))
+        wants_logits = not meta.strict_end and (meta.compute_end is None or meta.task is None)
+        hidden = yield from _tagged(
+            "blend", self._run_layers(meta, token_ids, writer, last_output=wants_logits)
+        )
         logits = None
-        if not meta.strict_end and (meta.compute_end is None or meta.task is None):
+        if wants_logits:
             logits = self.model.logits(hidden[-1:])[0]
             self.timer.lap("logits")
         return BlendResult(
