@@ -114,6 +114,15 @@ def _warm(model, cache: SegmentCache, tokens: list[int]) -> None:
     assert cache.store_segments(tokens, pre.keys, pre.values) > 0
 
 
+def _reordered_request(model, **setup) -> tuple[LMCBlender, list[int], int]:
+    """A blender (``_setup``'s keywords) warmed with ``SYS C1 C2 C3 Q1``, the reordered prompt
+    ``SYS C3 C1 C2 Q2`` and its ``compute_end`` (the start of the new question)."""
+    blender, cache = _setup(model, **setup)
+    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
+    tokens = _prompt(SYS, C3, C1, C2, Q2)
+    return blender, tokens, len(tokens) - len(Q2)
+
+
 @pytest.mark.parametrize("selection", SELECTION_CHOICES)
 def test_ratio_one_equals_full_prefill(tiny, selection) -> None:
     _, model = tiny
@@ -332,10 +341,7 @@ def test_compute_end_leaves_the_tail_to_the_engine(tiny, selection, ratio) -> No
     tokens, gives the same K/V for every token before it, computes no token after it once the
     selection is final, and returns no logits."""
     _, model = tiny
-    blender, cache = _setup(model, ratios=(ratio,), selection=selection)
-    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
-    tokens = _prompt(SYS, C3, C1, C2, Q2)
-    end = len(tokens) - len(Q2)
+    blender, tokens, end = _reordered_request(model, ratios=(ratio,), selection=selection)
     whole = blender.blend(tokens)
     head = blender.blend(tokens, compute_end=end)
     assert head.logits is None and whole.logits is not None
@@ -355,10 +361,7 @@ def test_last_layer_skips_what_nothing_reads(tiny, selection) -> None:
     preview's never does)."""
     _, model = tiny
     layers = model.config.num_hidden_layers
-    blender, cache = _setup(model, ratios=(0.3,), selection=selection)
-    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
-    tokens = _prompt(SYS, C3, C1, C2, Q2)
-    end = len(tokens) - len(Q2)
+    blender, tokens, end = _reordered_request(model, ratios=(0.3,), selection=selection)
     adapter = blender.model
     calls: list[tuple[str, int]] = []
 
@@ -415,10 +418,7 @@ def test_blend_passes_step_through_the_preview_too(tiny, selection) -> None:
     ``blend``; ``blend_layer`` still yields the blend's layers only."""
     _, model = tiny
     layers = model.config.num_hidden_layers
-    blender, cache = _setup(model, ratios=(0.3,), selection=selection)
-    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
-    tokens = _prompt(SYS, C3, C1, C2, Q2)
-    end = len(tokens) - len(Q2)
+    blender, tokens, end = _reordered_request(model, ratios=(0.3,), selection=selection)
     seen, stepped = _collect(blender.blend_passes(tokens, compute_end=end))
     preview = [("preview", i) for i in range(layers)] if "preview" in selection else []
     assert seen == preview + [("blend", i) for i in range(layers)]
@@ -436,11 +436,7 @@ def test_strict_end_changes_nothing_for_the_preview_selections(tiny, selection, 
     """A preview selection never computes a token from ``compute_end`` on in a blend layer:
     ``strict_end`` gives the same selection and K/V."""
     _, model = tiny
-
-    blender, cache = _setup(model, ratios=(ratio,), selection=selection)
-    _warm(model, cache, _prompt(SYS, C1, C2, C3, Q1))
-    tokens = _prompt(SYS, C3, C1, C2, Q2)
-    end = len(tokens) - len(Q2)
+    blender, tokens, end = _reordered_request(model, ratios=(ratio,), selection=selection)
     loose = blender.blend(tokens, compute_end=end)
     strict = blender.blend(tokens, compute_end=end, strict_end=True)
     assert strict.recomputed.tolist() == loose.recomputed.tolist()
