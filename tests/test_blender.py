@@ -386,6 +386,87 @@ def test_last_layer_skips_what_nothing_reads(tiny, selection) -> None:
     assert calls.count(("mlp_block", layers - 1)) == 1
 
 
+class _EngineKV:
+    """A paged cache whose "engine" computes rows itself (:class:`EngineForwardKV`): per-layer
+    ``[T, Hkv, D]`` rows (NaN until written) and a forward pass of given tokens over them, made
+    of the adapter's steps and the reference attention."""
+
+    paged_attention = True
+    runs_engine_forward = True
+
+    def __init__(self, blender: LMCBlender, num_tokens: int) -> None:
+        model = blender.model
+        shape = (num_tokens, model.num_kv_heads, model.head_dim)
+        self.model, self.ops = model, blender.ops
+        self.keys = [torch.full(shape, float("nan")) for _ in range(model.num_layers)]
+        self.values = [torch.full(shape, float("nan")) for _ in range(model.num_layers)]
+        self.forwards: list[tuple[list[int], list[int], list[int]]] = []
+        self.events: list[str] = []
+
+    def write_layer(self, layer_id, keys, values):  # pragma: no cover - paged: rows only
+        raise AssertionError("a paged writer receives rows")
+
+    def write_rows(self, layer_id, rows, keys, values):
+        self.events.append("rows")
+        self.keys[layer_id][rows] = keys
+        self.values[layer_id][rows] = values
+
+    def attention(self, layer_id, q, positions, scale):
+        self.events.append("attention")
+        keys, values = self.keys[layer_id], self.values[layer_id]
+        return self.ops.attention_at_positions(q, keys, values, positions, scale)
+
+    def forward_rows(self, rows, token_ids, positions):
+        self.events.append("forward")
+        self.forwards.append((rows.tolist(), token_ids.tolist(), positions.tolist()))
+        model = self.model
+        hidden = model.embed(token_ids)
+        for layer in range(model.num_layers):
+            q, k, v = model.qkv(layer, model.attention_input(layer, hidden), positions)
+            self.keys[layer][rows], self.values[layer][rows] = k, v
+            attn = self.ops.attention_at_positions(
+                q, self.keys[layer], self.values[layer], positions, model.attn_scale
+            )
+            hidden = model.mlp_block(layer, hidden + model.attention_output(layer, attn))
+
+
+@pytest.mark.parametrize("selection", ["query_preview_last", "query_preview"])
+def test_engine_forward_gets_the_fixed_selection_over_every_cached_row(tiny, selection) -> None:
+    """A fixed selection without logits, with a writer whose engine computes rows: every
+    cached row of every layer is written first, then one engine pass of the selected tokens
+    (their ids, positions) before ``compute_end``; the rows end up as the layer-by-layer blend's
+    K/V, every layer is yielded, and the token-layers are counted."""
+    _, model = tiny
+    layers = model.config.num_hidden_layers
+    blender, tokens, end = _reordered_request(model, ratios=(0.3,), selection=selection)
+    reference = blender.blend(tokens, compute_end=end)
+    engine = _EngineKV(blender, len(tokens))
+    blender.gpu_connector = engine
+    steps = blender.blend_layer(tokens, compute_end=end)
+    yielded = []
+    while True:
+        try:
+            yielded.append(next(steps))
+        except StopIteration as done:
+            result = done.value
+            break
+    assert yielded == list(range(layers))
+    ((rows, ids, positions),) = engine.forwards
+    assert engine.events == ["rows"] * layers + ["forward"]  # every cached row first
+    assert rows == reference.recomputed.tolist() and max(rows) < end
+    assert ids == [tokens[i] for i in rows] and positions == rows
+    assert result.recomputed.tolist() == rows and result.token_layers == reference.token_layers
+    assert result.keys == [] and result.logits is None
+    for layer in range(layers):
+        torch.testing.assert_close(engine.keys[layer][:end], reference.keys[layer][:end])
+        torch.testing.assert_close(engine.values[layer][:end], reference.values[layer][:end])
+    # with logits (no compute_end) the blender computes the last token itself: no engine pass
+    blender.gpu_connector = engine = _EngineKV(blender, len(tokens))
+    whole = blender.blend(tokens)
+    assert whole.logits is not None and "forward" not in engine.events
+    assert "attention" in engine.events
+
+
 def test_retriever_stacks_every_layers_hits_with_zero_rows_between() -> None:
     """``stacked``: each hit's rows of every layer in place, rows no hit covers zero (the
     uninitialised buffer must not leak into them), and the same rows as ``result(layer)``."""

@@ -43,6 +43,7 @@ PHASES = (
     ("select and blend", "deviation, top-k, scatter of fresh rows"),
     ("selected: rest", "the selected tokens' layers (after a check or a preview): not attention"),
     ("selected: attention", "  ... their attention"),
+    ("selected: engine forward", "the selected tokens through vLLM's forward pass, all layers"),
     ("write-back", "blended K/V into vLLM's paged cache"),
     ("logits", "last token's logits"),
     ("vllm step", "vLLM's own forward pass of the question, sampling"),
@@ -76,6 +77,12 @@ def main(argv: list[str] | None = None) -> None:
         "--ratios", default="0.15,0.3", help="CacheBlend ratios (the first one is profiled)"
     )
     parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
+    parser.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="the selected tokens through the blender's layer-by-layer path "
+        "(connector key engine_forward=false) instead of vLLM's forward pass",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument(
         "--ops", type=int, default=0, metavar="N", help="also print the N costliest operators"
@@ -103,7 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     stats = os.path.join(tempfile.mkdtemp(prefix="lmcache-profile-"), "stats.jsonl")
     llm = LLM(
         model=path,
-        kv_transfer_config=KVTransferConfig(**kv_transfer_config(stats, profile=True)),
+        kv_transfer_config=KVTransferConfig(
+            **kv_transfer_config(stats, profile=True, engine_forward=not args.layerwise)
+        ),
         enable_prefix_caching=False,
         enforce_eager=args.eager,
         max_model_len=8192,

@@ -111,6 +111,19 @@ class PagedKV(KVLayerWriter, Protocol):
         query -> ``[N, Hq, D]``."""
 
 
+class EngineForwardKV(PagedKV, Protocol):
+    """A paged writer whose engine can compute rows itself: its own forward pass of the given
+    tokens over the paged cache, writing their rows of every layer. A fixed selection without
+    logits needs nothing more once every cached row is written (see ``_run_layers``)."""
+
+    runs_engine_forward: bool
+
+    def forward_rows(
+        self, rows: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Tokens ``rows [N]`` (``token_ids [N]`` at sorted ``positions [N]``) in every layer."""
+
+
 @dataclass
 class BlendMetadata:
     """Per-request state carried from layer to layer (``attn_metadata`` of ``process_qkv``).
@@ -584,6 +597,16 @@ class LMCBlender:
         the engine's paged cache and attention runs there; otherwise attention runs on the op
         registry's ``attention_at_positions`` and the writer receives each finished layer."""
         model, timer = self.model, self.timer
+        if (
+            not last_output
+            and query_mass is None
+            and not meta.schedule
+            and meta.task is not None
+            and meta.active.numel()
+            and getattr(writer, "runs_engine_forward", False)
+        ):
+            yield from self._engine_forward(meta, token_ids, writer)
+            return None
         # all tokens unless a fixed selection (which may leave nothing before compute_end)
         hidden = model.embed(token_ids[meta.active.cpu()]) if meta.active.numel() else None
         first_check = min(meta.schedule, default=model.num_layers)
@@ -667,6 +690,22 @@ class LMCBlender:
                 timer.lap("write-back")
             yield layer
         return hidden
+
+    def _engine_forward(
+        self, meta: BlendMetadata, token_ids: torch.Tensor, writer: EngineForwardKV
+    ) -> Generator[int, None, None]:
+        """A fixed selection without logits through the engine's own forward pass: every cached
+        row of every layer into the paged cache, then the selected tokens computed there in one
+        pass (they overwrite their rows layer by layer, as the layer-by-layer path does). The
+        blended K/V stay in the engine's cache: ``meta.keys``/``values`` stay empty."""
+        self._write_cached_rows(writer, 0, meta)
+        self.timer.lap("write-back")
+        active = meta.active
+        positions = meta.positions[active]
+        writer.forward_rows(active.cpu(), token_ids[active.cpu()], positions)
+        meta.token_layers += active.numel() * self.model.num_layers
+        self.timer.lap("selected: engine forward")
+        yield from range(self.model.num_layers)
 
     def _write_cached_rows(self, writer: PagedKV, first: int, meta: BlendMetadata) -> None:
         """Every cached row of layers ``first..L-1`` into ``writer``, once per request (the

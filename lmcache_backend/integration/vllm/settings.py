@@ -28,6 +28,7 @@ CONNECTOR_KEYS = (
     "verify_on_start",
     "profile",
     "blend_layers_per_step",
+    "engine_forward",
 )
 
 #: ``kv_transfer_params`` keys a request may set.
@@ -58,6 +59,10 @@ class ConnectorSettings:
             layers count), so the other requests keep decoding between the slices; the
             check-layer selections stay synchronous. A fixed number of passes, never a time
             budget: tensor-parallel ranks run the same collectives in the same order.
+        engine_forward: True (default): once a preview selection is fixed, a synchronous
+            load runs the selected tokens through vLLM's own compiled forward pass over the
+            blended paged cache (vLLM's CPU attention backend); False: through the blender's
+            layer-by-layer path (also used for sliced loads and the check-layer selections).
     """
 
     config: BlendConfig
@@ -70,6 +75,7 @@ class ConnectorSettings:
     num_layers: int | None = None
     profile: bool = False
     blend_layers_per_step: int = 0
+    engine_forward: bool = True
 
     def rank_instance(self, rank: int) -> str:
         """Index id of one rank (the same on the scheduler and on that rank's worker)."""
@@ -121,6 +127,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         num_layers=num_layers,
         profile=_flag("profile", own.get("profile", False)),
         blend_layers_per_step=_count("blend_layers_per_step", own.get("blend_layers_per_step", 0)),
+        engine_forward=_flag("engine_forward", own.get("engine_forward", True)),
     )
 
 

@@ -1,11 +1,14 @@
 """Worker side: blend claimed prompts into vLLM's paged cache, store the segments of prompts.
 
 Before a step's forward pass (``start_load_kv``), each claimed request is blended with the
-model's own weights (through :class:`~lmcache_backend.models.vllm.VLLMModelAdapter`) and this
-package's attention, never vLLM's attention layers: those would write the current step's slots and
-re-enter the connector hooks. Tokens vLLM's prefix cache already holds are read back from the paged
-cache and passed as ``cached_prefix``. Each layer's blended K/V rows of the claimed tokens go into
-the paged cache as soon as the layer is final.
+model's own weights (through :class:`~lmcache_backend.models.vllm.VLLMModelAdapter`). Tokens
+vLLM's prefix cache already holds are read back from the paged cache and passed as
+``cached_prefix``. Each layer's blended K/V rows of the claimed tokens go into the paged cache as
+soon as the layer is final. On vLLM's CPU backend the blender's attention runs there, through
+vLLM's paged-attention op; and once a preview selection is fixed, a synchronous load writes every
+cached row and runs the selected tokens through vLLM's own compiled forward pass, in a forward
+context of its own (its attention metadata and slot mapping name only those tokens' rows; see
+:mod:`~lmcache_backend.integration.vllm.engine_forward`, connector key ``engine_forward``).
 
 With ``blend_layers_per_step > 0``, a sliced load (:attr:`LoadSpec.sliced`) starts a blend that
 advances that many layer passes per step (preview layers count), the oldest blend first; once
@@ -34,6 +37,7 @@ from lmcache_backend.blend import LMCBlender, SegmentCache
 from lmcache_backend.blend.blender import run_to_end
 from lmcache_backend.blend.timing import NO_TIMER, PhaseTimer
 from lmcache_backend.config import BlendConfig
+from lmcache_backend.integration.vllm.engine_forward import EngineForward
 from lmcache_backend.integration.vllm.layouts import (
     AttentionPlan,
     CpuAttention,
@@ -95,9 +99,14 @@ class _PagedWriter:
     """
 
     def __init__(
-        self, layout: PagedLayout, caches: list[torch.Tensor], attention: CpuAttention | None
+        self,
+        layout: PagedLayout,
+        caches: list[torch.Tensor],
+        attention: CpuAttention | None,
+        engine_forward: EngineForward | None = None,
     ) -> None:
         self.layout, self.caches, self._attention = layout, caches, attention
+        self._engine_forward = engine_forward if attention is not None else None
         self.slots = torch.empty(0, dtype=torch.int64)
         self.start = self.stop = 0
         self.block_ids: torch.Tensor | None = None
@@ -121,6 +130,24 @@ class _PagedWriter:
     @property
     def paged_attention(self) -> bool:
         return self.block_ids is not None
+
+    @property
+    def runs_engine_forward(self) -> bool:
+        """Whether :meth:`forward_rows` can run (paged attention over the request's blocks)."""
+        return self._engine_forward is not None and self.paged_attention
+
+    def forward_rows(
+        self, rows: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Tokens ``rows [N]`` (``token_ids [N]`` at sorted ``positions [N]``) through vLLM's
+        forward pass, writing their rows of every layer. Rows in vLLM's prefix cache are left
+        out: their K/V there are already a full prefill's."""
+        keep = rows >= self.start
+        rows, token_ids, positions = rows[keep], token_ids[keep], positions[keep]
+        if rows.numel():
+            slots = self.slots[rows.cpu() - self.start]
+            self._engine_forward(token_ids, positions, slots, self.block_ids)
+            self.paged_layers += len(self.caches)
 
     def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.stop > self.start:
@@ -255,7 +282,10 @@ class WorkerSide:
             )
         self._check_rerotation()
         self.layout = self._make_layout()
-        self._writer = _PagedWriter(self.layout, self.caches, self._make_attention())
+        attention = self._make_attention()
+        self._writer = _PagedWriter(
+            self.layout, self.caches, attention, self._make_engine_forward(model, attention)
+        )
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self.settings.tp_size > 1 else 0
@@ -354,6 +384,14 @@ class WorkerSide:
             self.caches[0].dtype,
             bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
         )
+
+    def _make_engine_forward(
+        self, model: torch.nn.Module, attention: CpuAttention | None
+    ) -> EngineForward | None:
+        """The fixed selections' pass through vLLM's forward, where paged attention runs."""
+        if attention is None or not self.settings.engine_forward or not EngineForward.available():
+            return None
+        return EngineForward(model, self.vllm_config, self.layer_names, attention)
 
     def _ops(self) -> Ops:
         ops = get_ops(self.settings.config.backend)

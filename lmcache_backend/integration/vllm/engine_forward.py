@@ -1,0 +1,107 @@
+"""A fixed selection's tokens through vLLM's own forward pass, over the blended paged cache.
+
+Once a selection is fixed (a preview selection) and every cached row of every layer is in the
+request's blocks, the blend's remaining work is exactly a forward pass of the selected tokens:
+in each layer they compute their K/V, overwrite their rows, and attend over the blocks, where
+every other row is the cached one. vLLM's compiled model does that pass in one call, with its
+fused layer glue (norms, residuals, RoPE) instead of the blender's per-layer Python, and with its
+own numerics, given:
+
+* attention metadata in which each run of consecutive selected positions ``a..b`` is one
+  request of ``b - a + 1`` queries and ``b + 1`` keys over the request's block table (the same
+  plan as :class:`~lmcache_backend.integration.vllm.layouts.CpuAttention`: vLLM's causal mask,
+  aligned to the end of each request, gives the query at position ``p`` exactly keys ``0..p``);
+* a slot mapping with the selected rows' slots, where vLLM's own cache update writes them.
+
+The pass runs inside a forward context of its own (the step's is restored after it); the
+connector's per-layer hooks it passes through are no-ops. Only vLLM's CPU attention backend is
+wired: that is where :class:`CpuAttention` plans exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from lmcache_backend.integration.vllm.layouts import CpuAttention
+
+logger = logging.getLogger(__name__)
+
+# The dtypes of vLLM's model-runner input buffers. The compiled graph is traced with them and
+# reads its inputs as such: int64 token ids would be read as pairs of int32 (every other token
+# 0), with no error.
+INPUT_IDS_DTYPE = torch.int32
+POSITIONS_DTYPE = torch.int64
+
+
+class EngineForward:
+    """Run selected tokens of one request through the engine's model over its paged cache.
+
+    Args:
+        model: the runner's ``*ForCausalLM`` (its ``forward(input_ids, positions)``).
+        vllm_config: the engine's ``VllmConfig`` (for the forward context).
+        layer_names: the attention layers' names, in layer order.
+        attention: the CPU attention planner (geometry, kernel path, KV split).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vllm_config: Any,
+        layer_names: list[str],
+        attention: CpuAttention,
+    ) -> None:
+        self.model, self.vllm_config = model, vllm_config
+        self.layer_names = list(layer_names)
+        self.attention = attention
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this vLLM has the CPU backend's metadata and a settable forward context."""
+        try:
+            from vllm.forward_context import set_forward_context  # noqa: F401
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: F401
+        except ImportError:
+            return False
+        return CpuAttention.available()
+
+    def __call__(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_ids: torch.Tensor,
+    ) -> None:
+        """Compute tokens ``token_ids [N]`` at sorted ``positions [N]`` in every layer, writing
+        their K/V to ``slots [N]``, attending over the request's blocks ``block_ids``."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+        plan = self.attention.plan(positions, block_ids)
+        n = int(positions.numel())
+        slots = slots.to(torch.int64)
+        metadata = CPUAttentionMetadata(
+            num_actual_tokens=n,
+            max_query_len=int((plan.query_start_loc[1:] - plan.query_start_loc[:-1]).max()),
+            query_start_loc=plan.query_start_loc,
+            max_seq_len=int(plan.seq_lens.max()),
+            seq_lens=plan.seq_lens,
+            block_table=plan.block_table,
+            slot_mapping=slots,
+            scheduler_metadata=plan.scheduler_metadata,
+            causal=True,
+        )
+        per_layer = dict.fromkeys(self.layer_names, metadata)
+        slot_mapping = dict.fromkeys(self.layer_names, slots)
+        device = next(self.model.parameters()).device
+        with set_forward_context(
+            per_layer, self.vllm_config, num_tokens=n, slot_mapping=slot_mapping
+        ):
+            self.model(
+                input_ids=token_ids.to(device, INPUT_IDS_DTYPE),
+                positions=positions.to(device, POSITIONS_DTYPE),
+                intermediate_tensors=None,
+                inputs_embeds=None,
+            )
