@@ -5,12 +5,14 @@ the embedded SmolLM2 model).
 The engine core runs in the script's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
 worker-side connector is in reach: after each blend (before vLLM's forward pass of the question)
 the claimed rows of every layer are read back from the paged cache. The same reordered prompt is
-blended twice, once per path, with the same selection. Checked: the engine forward ran (its
-profile phase) and the layer-by-layer path ran the second time; the selection records agree; the
-rows no path recomputes are identical; the recomputed rows agree within bf16 rounding
-(:data:`REL_TOL` per layer; the two paths differ in the order of their bf16 roundings only: the
-compiled graph fuses residual add and RMSNorm where the blender's adapter reproduces them op by
-op); and the greedy answers are the same.
+blended three times with the same selection: through vLLM's forward pass, the same in chunks
+of 16 tokens (as a selection larger than one compiled pass runs), and layer by layer. Checked:
+the engine forward ran (its profile phase) and the layer-by-layer path ran the third time; the
+selection records agree; the rows no path recomputes are identical; the chunks give the
+unchunked rows within bf16 rounding (:data:`CHUNK_TOL`); the recomputed rows of the two paths
+agree within bf16 rounding (:data:`REL_TOL` per layer; they differ in the order of their bf16
+roundings only: the compiled graph fuses residual add and RMSNorm where the blender's adapter
+reproduces them op by op); and the greedy answers are the same.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ pytest.importorskip("vllm")
 #: measured at most 0.009 (K) and 0.020 (V, the last layers) on this prompt; the int64 token ids
 #: the compiled graph once misread gave 0.7-1.0 from layer 0 on
 REL_TOL = 0.05
+#: the same between the chunked and the one-pass rows: a chunk changes the products' row blocking
+#: and the attention's runs, not the math
+CHUNK_TOL = REL_TOL
 
 SCRIPT = textwrap.dedent(
     """
@@ -75,9 +80,13 @@ SCRIPT = textwrap.dedent(
             return out.outputs[0].text
 
         result = {"warm": answer("warm"), "engine_forward": answer("reordered")}
+        engine_forward = worker._writer._engine_forward
+        engine_forward.max_tokens = 16  # in chunks of 16 tokens: the same rows
+        result["chunked"] = answer("reordered")
+        engine_forward.max_tokens = 1 << 30
         worker._writer._engine_forward = None  # the blender's layer-by-layer path
         result["layerwise"] = answer("reordered")
-        (ek, ev), (lk, lv) = captured
+        (ek, ev), (ck, cv), (lk, lv) = captured
         same = (ek == lk).all(dim=(0, 2, 3)) & (ev == lv).all(dim=(0, 2, 3))  # [rows]
         result["rows"] = int(same.numel())
         result["rows_identical"] = int(same.sum())
@@ -88,6 +97,8 @@ SCRIPT = textwrap.dedent(
         changed = ~same
         result["k_rel"] = rel(ek[:, changed], lk[:, changed])
         result["v_rel"] = rel(ev[:, changed], lv[:, changed])
+        chunked_k = rel(ek[:, changed], ck[:, changed])
+        result["chunked_rel"] = chunked_k + rel(ev[:, changed], cv[:, changed])
         print("RESULT " + json.dumps(result), flush=True)
     """
 )
@@ -107,7 +118,7 @@ def test_engine_forward_matches_the_layerwise_blend(tmp_path) -> None:
     stats = tmp_path / "blend.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     result = run_result_script(script, [str(stats)], {**env, **BLEND_ENV}, timeout=900)
-    fast, layerwise = [json.loads(line) for line in stats.read_text().splitlines()]
+    fast, chunked, layerwise = [json.loads(line) for line in stats.read_text().splitlines()]
     assert "selected: engine forward" in fast["profile"], fast["profile"]
     assert "selected: attention" not in fast["profile"], fast["profile"]
     assert "selected: attention" in layerwise["profile"], layerwise["profile"]
@@ -121,3 +132,7 @@ def test_engine_forward_matches_the_layerwise_blend(tmp_path) -> None:
     assert max(result["k_rel"]) <= REL_TOL, result["k_rel"]
     assert max(result["v_rel"]) <= REL_TOL, result["v_rel"]
     assert result["engine_forward"] == result["layerwise"]
+    # more selected tokens than one compiled pass takes: consecutive chunks, the same rows
+    assert chunked["selected_digest"] == fast["selected_digest"]
+    assert max(result["chunked_rel"]) <= CHUNK_TOL, result["chunked_rel"]
+    assert result["chunked"] == result["engine_forward"]

@@ -56,6 +56,10 @@ class EngineForward:
         self.model, self.vllm_config = model, vllm_config
         self.layer_names = list(layer_names)
         self.attention = attention
+        # the most tokens vLLM's compiled graph is built for in one pass (its compile ranges stop
+        # there); more run as consecutive chunks, exact as chunked prefill is: a later chunk's
+        # queries read the earlier chunks' rows, already written in every layer
+        self.max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
 
     @staticmethod
     def available() -> bool:
@@ -76,6 +80,19 @@ class EngineForward:
     ) -> None:
         """Compute tokens ``token_ids [N]`` at sorted ``positions [N]`` in every layer, writing
         their K/V to ``slots [N]``, attending over the request's blocks ``block_ids``."""
+        step = max(1, self.max_tokens)
+        for start in range(0, int(positions.numel()), step):
+            stop = start + step
+            self._pass(token_ids[start:stop], positions[start:stop], slots[start:stop], block_ids)
+
+    def _pass(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_ids: torch.Tensor,
+    ) -> None:
+        """One forward pass of at most ``max_tokens`` tokens (see :meth:`__call__`)."""
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
