@@ -107,3 +107,22 @@ def test_bad_block_size_fails_connector_start(tmp_path) -> None:
     config = _vllm_config(str(embedded_model_path()), {"blend_block_size": 0})
     with pytest.raises(ConfigError, match="blend_block_size"):
         load_settings(config)
+
+
+def test_lora_with_blending_fails_connector_start() -> None:
+    """Cached K/V carry no adapter identity: an engine with LoRA and blending on is refused at
+    start-up, naming both settings; with blending off the connector starts."""
+    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.integration.vllm.settings import load_settings
+
+    try:
+        path = str(embedded_model_path())
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    config = _vllm_config(path, {"enable_blending": True})
+    config.lora_config = SimpleNamespace(max_loras=1)
+    with pytest.raises(ConfigError, match="enable_blending=True.*enable_lora"):
+        load_settings(config)
+    config = _vllm_config(path, {"enable_blending": False})
+    config.lora_config = SimpleNamespace(max_loras=1)
+    assert load_settings(config).config.enable_blending is False

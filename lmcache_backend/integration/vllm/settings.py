@@ -105,6 +105,13 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
     extra = dict(getattr(kv, "kv_connector_extra_config", None) or {})
     own = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
     config = load_config(**extra)
+    if config.enable_blending and getattr(vllm_config, "lora_config", None) is not None:
+        # A segment's K/V depend on the adapter that computed them, which neither the store's
+        # key nor the blender's layer calls know: blending would mix adapters silently.
+        raise ConfigError(
+            "enable_blending=True: CacheBlend does not support LoRA adapters "
+            "(vLLM's enable_lora is set); turn one of them off"
+        )
     mc = vllm_config.model_config
     num_layers = int(mc.hf_text_config.num_hidden_layers)
     config.validate_for_model(num_layers)

@@ -391,10 +391,6 @@ class WorkerSide:
         """The fixed selections' pass through vLLM's forward, where paged attention runs."""
         if attention is None or not self.settings.engine_forward or not EngineForward.available():
             return None
-        if getattr(self.vllm_config, "lora_config", None) is not None:
-            # vLLM's LoRA layers read the step's adapter mapping, not one for the blend's tokens
-            logger.info("CacheBlend: LoRA is configured; the selected tokens run layer by layer")
-            return None
         return EngineForward(model, self.vllm_config, self.layer_names, attention)
 
     def _ops(self) -> Ops:
