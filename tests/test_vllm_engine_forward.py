@@ -17,11 +17,10 @@ reproduces them op by op); and the greedy answers are the same.
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
-from vllm_scripts import BLEND_ENV, run_result_script
+from vllm_scripts import run_blend_script
 
 pytest.importorskip("vllm")
 
@@ -105,20 +104,10 @@ SCRIPT = textwrap.dedent(
 
 
 def test_engine_forward_matches_the_layerwise_blend(tmp_path) -> None:
-    try:
-        from lmcache_backend.embedded import embedded_model_path
-
-        embedded_model_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    import json
-
-    script = tmp_path / "engine_forward.py"
-    script.write_text(SCRIPT)
     stats = tmp_path / "blend.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    result = run_result_script(script, [str(stats)], {**env, **BLEND_ENV}, timeout=900)
-    fast, chunked, layerwise = [json.loads(line) for line in stats.read_text().splitlines()]
+    result, (fast, chunked, layerwise) = run_blend_script(
+        tmp_path, SCRIPT, [str(stats)], stats, timeout=900
+    )
     assert "selected: engine forward" in fast["profile"], fast["profile"]
     assert "selected: attention" not in fast["profile"], fast["profile"]
     assert "selected: attention" in layerwise["profile"], layerwise["profile"]

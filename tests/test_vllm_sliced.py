@@ -12,12 +12,10 @@ its blocks freed.
 
 from __future__ import annotations
 
-import json
-import os
 import textwrap
 
 import pytest
-from vllm_scripts import BLEND_ENV, run_result_script
+from vllm_scripts import run_blend_script
 
 pytest.importorskip("vllm")
 
@@ -128,25 +126,13 @@ SCRIPT = textwrap.dedent(
     """
 )
 
-ENV = BLEND_ENV
 COMPARED = ("claimed", "num_reusable", "recomputed_reusable", "selected_digest", "prefix_len")
 
 
 def _run(tmp_path, per_step: int, prefix: bool = False) -> tuple[dict, list[dict]]:
-    try:
-        from lmcache_backend.embedded import embedded_model_path
-
-        embedded_model_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    script = tmp_path / "sliced.py"
-    script.write_text(SCRIPT)
     stats = tmp_path / f"blend{per_step}{'-prefix' if prefix else ''}.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     args = [str(per_step), str(stats), "prefix" if prefix else "-"]
-    result = run_result_script(script, args, {**env, **ENV}, timeout=600)
-    records = [json.loads(line) for line in stats.read_text().splitlines()]
-    return result, records
+    return run_blend_script(tmp_path, SCRIPT, args, stats, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -32,3 +32,25 @@ def run_result_script(script: Path, args: list[str], env: dict[str, str], timeou
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def run_blend_script(
+    tmp_path: Path, source: str, args: list[str], stats: Path, timeout: int
+) -> tuple[dict, list[dict]]:
+    """Run the script ``source`` with the embedded model and :data:`BLEND_ENV` (over this
+    process's environment without its ``LMCACHE_*`` keys): its ``RESULT`` JSON and the records
+    of its ``stats`` file. Skips the test when the embedded model is not installed."""
+    import pytest
+
+    try:
+        from lmcache_backend.embedded import embedded_model_path
+
+        embedded_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    result = run_result_script(script, args, {**env, **BLEND_ENV}, timeout=timeout)
+    records = [json.loads(line) for line in stats.read_text().splitlines()]
+    return result, records

@@ -700,9 +700,8 @@ class LMCBlender:
         blended K/V stay in the engine's cache: ``meta.keys``/``values`` stay empty."""
         self._write_cached_rows(writer, 0, meta)
         self.timer.lap("write-back")
-        active = meta.active
-        positions = meta.positions[active]
-        writer.forward_rows(active.cpu(), token_ids[active.cpu()], positions)
+        active = meta.active.cpu()
+        writer.forward_rows(active, token_ids[active], meta.positions[meta.active])
         meta.token_layers += active.numel() * self.model.num_layers
         self.timer.lap("selected: engine forward")
         yield from range(self.model.num_layers)

@@ -20,14 +20,11 @@ wired: that is where :class:`CpuAttention` plans exist.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from lmcache_backend.integration.vllm.layouts import CpuAttention
-
-logger = logging.getLogger(__name__)
 
 # The dtypes of vLLM's model-runner input buffers. The compiled graph is traced with them and
 # reads its inputs as such: int64 token ids would be read as pairs of int32 (every other token

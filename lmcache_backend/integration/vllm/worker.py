@@ -106,7 +106,7 @@ class _PagedWriter:
         engine_forward: EngineForward | None = None,
     ) -> None:
         self.layout, self.caches, self._attention = layout, caches, attention
-        self._engine_forward = engine_forward if attention is not None else None
+        self._engine_forward = engine_forward
         self.slots = torch.empty(0, dtype=torch.int64)
         self.start = self.stop = 0
         self.block_ids: torch.Tensor | None = None
@@ -141,11 +141,9 @@ class _PagedWriter:
     ) -> None:
         """Tokens ``rows [N]`` (``token_ids [N]`` at sorted ``positions [N]``) through vLLM's
         forward pass, writing their rows of every layer. Rows in vLLM's prefix cache are left
-        out: their K/V there are already a full prefill's."""
-        keep = rows >= self.start
-        rows, token_ids, positions = rows[keep], token_ids[keep], positions[keep]
-        if rows.numel():
-            slots = self.slots[rows.cpu() - self.start]
+        out: their K/V there are already a full prefill's (see :meth:`_own_rows`)."""
+        slots, token_ids, positions = self._own_rows(rows, token_ids, positions)
+        if slots.numel():
             self._engine_forward(token_ids, positions, slots, self.block_ids)
             self.paged_layers += len(self.caches)
 
@@ -158,13 +156,18 @@ class _PagedWriter:
         self, layer_id: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
         """Write ``keys``/``values`` ``[N, Hkv, D]`` of the token indices ``rows [N]``."""
-        if rows.numel() and (int(rows[0]) < self.start or int(rows[-1]) >= self.stop):
-            # tokens already in vLLM's prefix cache, or beyond the rows this request writes
-            keep = (rows >= self.start) & (rows < self.stop)
-            rows, keys, values = rows[keep], keys[keep], values[keep]
-        if rows.numel():
-            slots = self.slots[rows.cpu() - self.start]
+        slots, keys, values = self._own_rows(rows, keys, values)
+        if slots.numel():
             self.layout.write(self.caches[layer_id], keys, values, slots)
+
+    def _own_rows(self, rows: torch.Tensor, *aligned: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(slots, *aligned)`` of the sorted token indices ``rows [N]`` this request writes
+        (``start..stop-1``), each ``aligned`` tensor (``[N, ...]``) cut to the same rows:
+        tokens already in vLLM's prefix cache, or beyond the claim, are left out."""
+        if rows.numel() and (int(rows[0]) < self.start or int(rows[-1]) >= self.stop):
+            keep = (rows >= self.start) & (rows < self.stop)
+            rows, aligned = rows[keep], tuple(t[keep] for t in aligned)
+        return (self.slots[rows.cpu() - self.start], *aligned)
 
     def attention(
         self, layer_id: int, q: torch.Tensor, positions: torch.Tensor, scale: float
