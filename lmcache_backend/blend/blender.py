@@ -124,6 +124,23 @@ class EngineForwardKV(PagedKV, Protocol):
         """Tokens ``rows [N]`` (``token_ids [N]`` at sorted ``positions [N]``) in every layer."""
 
 
+#: ``attend(layer_id, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq, D]``
+PreviewAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class EnginePreview(Protocol):
+    """A writer whose engine can run a preview selection's tokens through its own layers, with
+    each layer's attention left to the blender (which attends over its cached K/V and sums the
+    attention mass the selection needs). Nothing is written."""
+
+    def preview_rows(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: PreviewAttend
+    ) -> bool:
+        """Tokens ``token_ids [N]`` at sorted ``positions [N]`` through every layer, layer
+        ``l``'s attention being ``attend(l, q, k, v)`` of their fresh q/k/v. False when it did
+        not run (the blender then runs the preview layer by layer)."""
+
+
 @dataclass
 class BlendMetadata:
     """Per-request state carried from layer to layer (``attn_metadata`` of ``process_qkv``).
@@ -664,14 +681,7 @@ class LMCBlender:
                 hidden = None
             else:
                 if query_mass is not None:  # the preview: attention and the query's mass at once
-                    rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
-                    attn, mass, last = attention_with_query_mass(
-                        q, keys, values, positions, model.attn_scale, rows
-                    )
-                    norms = value_norms(values)
-                    query_mass.addcmul_(mass, norms)
-                    if last_mass is not None:
-                        last_mass.addcmul_(last, norms)
+                    attn = self._preview_attention(q, keys, values, meta, query_mass, last_mass)
                 elif paged:
                     attn = writer.attention(layer, q, positions, model.attn_scale)
                 else:
@@ -706,6 +716,60 @@ class LMCBlender:
         self.timer.lap("selected: engine forward")
         yield from range(self.model.num_layers)
 
+    def _preview_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        meta: BlendMetadata,
+        query_mass: torch.Tensor,
+        last_mass: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One preview layer's attention ``[N, Hq, D]`` of the active tokens' ``q [N, Hq, D]``
+        over the layer's blended ``keys``/``values`` ``[T, Hkv, D]``; adds the mass the query
+        tokens (and the last token alone) give each key, weighted by its value norm, to
+        ``query_mass`` (``last_mass``), ``[T]`` fp32."""
+        rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
+        positions = meta.positions[meta.active]
+        attn, mass, last = attention_with_query_mass(
+            q, keys, values, positions, self.model.attn_scale, rows
+        )
+        norms = value_norms(values)
+        query_mass.addcmul_(mass, norms)
+        if last_mass is not None:
+            last_mass.addcmul_(last, norms)
+        return attn
+
+    def _engine_preview(
+        self,
+        preview: BlendMetadata,
+        token_ids: torch.Tensor,
+        writer: Any,
+        query_mass: torch.Tensor,
+        last_mass: torch.Tensor | None,
+    ) -> bool:
+        """The preview's layers through the engine's own forward pass (its compiled layer glue
+        and products), each layer's attention and mass here, as :meth:`_run_layers` computes
+        them; False when the writer's engine cannot run it."""
+        run = getattr(writer, "preview_rows", None)
+        if run is None:
+            return False
+        timer = self.timer
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            timer.lap("preview: engine forward")
+            q, keys, values, _, _, _ = self.process_qkv(q, k, v, None, layer, None, preview)
+            timer.lap("select and blend")
+            attn = self._preview_attention(q, keys, values, preview, query_mass, last_mass)
+            timer.lap("preview: attention")
+            return attn
+
+        active = preview.active.cpu()
+        ran = bool(run(token_ids[active], preview.positions[preview.active], attend))
+        if ran:
+            timer.lap("preview: engine forward")
+        return ran
+
     def _write_cached_rows(self, writer: PagedKV, first: int, meta: BlendMetadata) -> None:
         """Every cached row of layers ``first..L-1`` into ``writer``, once per request (the
         computed rows of each layer overwrite theirs as they come)."""
@@ -715,10 +779,11 @@ class LMCBlender:
             writer.write_rows(layer, every, cached_k, cached_v)
 
     def _preview_selection(
-        self, meta: BlendMetadata, token_ids: torch.Tensor
+        self, meta: BlendMetadata, token_ids: torch.Tensor, writer: Any = None
     ) -> Generator[int, None, None]:
         """``query_preview``: choose the recomputed tokens before the blend, yielding each
-        finished preview layer id (nothing when there is nothing to choose).
+        finished preview layer id (nothing when there is nothing to choose; only the last one
+        when ``writer``'s engine ran the preview, see :class:`EnginePreview`).
 
         The query tokens (and any uncached ones) run alone through every layer over the cached
         K/V, as naive reuse computes them; the reusable tokens that contribute most to their
@@ -748,7 +813,10 @@ class LMCBlender:
         )
         mass = torch.zeros(meta.positions.numel(), dtype=torch.float32, device=valid.device)
         last = torch.zeros_like(mass) if self.config.blend_selection == QUERY_PREVIEW_LAST else None
-        yield from self._run_layers(preview, token_ids, None, mass, last, last_output=False)
+        if self._engine_preview(preview, token_ids, writer, mass, last):
+            yield self.model.num_layers - 1
+        else:
+            yield from self._run_layers(preview, token_ids, None, mass, last, last_output=False)
         if self.score_reducer is not None:
             mass = self.score_reducer(mass)
             last = None if last is None else self.score_reducer(last)
@@ -804,14 +872,15 @@ class LMCBlender:
     ) -> Generator[tuple[str, int], None, BlendResult]:
         """:meth:`blend_layer`, yielding ``(kind, layer id)`` after every layer pass: ``kind`` is
         ``"preview"`` for a preview selection's preview layers (they come first) and
-        ``"blend"`` for the blend's layers. An engine can run a fixed number of passes at a
+        ``"blend"`` for the blend's layers (a preview the writer's engine runs, see
+        :class:`EnginePreview`, is one pass). An engine can run a fixed number of passes at a
         time (the vLLM connector's ``blend_layers_per_step``)."""
         self.timer.mark()
         meta = self.start_request(tokens, mask, **request)
         token_ids = torch.as_tensor(tokens, dtype=torch.int64)
         writer = self.gpu_connector  # the request's writer, whatever it is when it resumes
         if self.config.blend_selection in PREVIEW_SELECTIONS and meta.schedule:
-            yield from _tagged("preview", self._preview_selection(meta, token_ids))
+            yield from _tagged("preview", self._preview_selection(meta, token_ids, writer))
         wants_logits = not meta.strict_end and (meta.compute_end is None or meta.task is None)
         hidden = yield from _tagged(
             "blend", self._run_layers(meta, token_ids, writer, last_output=wants_logits)

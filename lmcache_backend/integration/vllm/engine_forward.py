@@ -16,10 +16,18 @@ own numerics, given:
 The pass runs inside a forward context of its own (the step's is restored after it); the
 connector's per-layer hooks it passes through are no-ops. Only vLLM's CPU attention backend is
 wired: that is where :class:`CpuAttention` plans exist.
+
+:meth:`EngineForward.preview` runs a preview selection's tokens (the question) the same way, but
+with the attention of every layer handed to the blender (``attend``): it attends over the cached
+K/V it holds and sums the attention mass the selection needs, which vLLM's kernel does not give.
+Nothing is written to the paged cache, so it runs where the engine has no blocks for the question
+yet (a sliced load).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,6 +39,41 @@ from lmcache_backend.integration.vllm.layouts import CpuAttention
 # 0), with no error.
 INPUT_IDS_DTYPE = torch.int32
 POSITIONS_DTYPE = torch.int64
+
+#: ``attend(layer_index, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq, D]``: one
+#: layer's attention of the preview tokens (``k``/``v`` are their own fresh rows).
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _PreviewMetadata:
+    """The per-layer attention metadata of a preview pass: only its token count (vLLM's
+    attention op passes it to the backend, here :class:`_PreviewAttention`)."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_actual_tokens = num_tokens
+
+
+class _PreviewAttention:
+    """Stands in for one layer's attention backend during a preview pass: the layer's attention
+    is ``attend``'s."""
+
+    def __init__(self, layer_index: int, attend: Attend) -> None:
+        self.layer_index, self.attend = layer_index, attend
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        **_: Any,
+    ) -> torch.Tensor:
+        n = attn_metadata.num_actual_tokens
+        output[:n].copy_(self.attend(self.layer_index, query[:n], key[:n], value[:n]))
+        return output
 
 
 class EngineForward:
@@ -57,6 +100,8 @@ class EngineForward:
         # there); more run as consecutive chunks, exact as chunked prefill is: a later chunk's
         # queries read the earlier chunks' rows, already written in every layer
         self.max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        #: the selected tokens' chunk size: ``max_tokens`` (lower only to test the chunking)
+        self.chunk_tokens = self.max_tokens
 
     @staticmethod
     def available() -> bool:
@@ -68,6 +113,51 @@ class EngineForward:
             return False
         return CpuAttention.available()
 
+    def preview(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> bool:
+        """Tokens ``token_ids [N]`` at sorted ``positions [N]`` through every layer, each layer's
+        attention given by ``attend``; their K/V are written nowhere. Returns False (nothing run)
+        when ``N`` exceeds one pass: a preview is not chunked, since ``attend`` sees a layer's
+        queries all at once (the caller previews on its own path)."""
+        from vllm.forward_context import set_forward_context
+
+        n = int(positions.numel())
+        if n == 0 or n > self.max_tokens:
+            return False
+        metadata = _PreviewMetadata(n)
+        device = next(self.model.parameters()).device
+        with (
+            self._attention_from(attend),
+            # no slot mapping: vLLM's cache update skips every layer
+            set_forward_context(
+                dict.fromkeys(self.layer_names, metadata),
+                self.vllm_config,
+                num_tokens=n,
+                slot_mapping={},
+            ),
+        ):
+            self.model(
+                input_ids=token_ids.to(device, INPUT_IDS_DTYPE),
+                positions=positions.to(device, POSITIONS_DTYPE),
+                intermediate_tensors=None,
+                inputs_embeds=None,
+            )
+        return True
+
+    @contextmanager
+    def _attention_from(self, attend: Attend) -> Iterator[None]:
+        """Every attention layer's backend replaced by ``attend`` for the duration (the
+        engine's own backends are put back however the pass ends)."""
+        context = self.vllm_config.compilation_config.static_forward_context
+        layers = [context[name] for name in self.layer_names]
+        backends = [layer.impl for layer in layers]
+        try:
+            for index, layer in enumerate(layers):
+                layer.impl = _PreviewAttention(index, attend)
+            yield
+        finally:
+            for layer, backend in zip(layers, backends, strict=True):
+                layer.impl = backend
+
     def __call__(
         self,
         token_ids: torch.Tensor,
@@ -77,7 +167,7 @@ class EngineForward:
     ) -> None:
         """Compute tokens ``token_ids [N]`` at sorted ``positions [N]`` in every layer, writing
         their K/V to ``slots [N]``, attending over the request's blocks ``block_ids``."""
-        step = max(1, self.max_tokens)
+        step = max(1, min(self.chunk_tokens, self.max_tokens))
         for start in range(0, int(positions.numel()), step):
             stop = start + step
             self._pass(token_ids[start:stop], positions[start:stop], slots[start:stop], block_ids)

@@ -37,7 +37,7 @@ from lmcache_backend.blend import LMCBlender, SegmentCache
 from lmcache_backend.blend.blender import run_to_end
 from lmcache_backend.blend.timing import NO_TIMER, PhaseTimer
 from lmcache_backend.config import BlendConfig
-from lmcache_backend.integration.vllm.engine_forward import EngineForward
+from lmcache_backend.integration.vllm.engine_forward import Attend, EngineForward
 from lmcache_backend.integration.vllm.layouts import (
     AttentionPlan,
     CpuAttention,
@@ -104,9 +104,13 @@ class _PagedWriter:
         caches: list[torch.Tensor],
         attention: CpuAttention | None,
         engine_forward: EngineForward | None = None,
+        blend_in_layers: bool = False,
     ) -> None:
         self.layout, self.caches, self._attention = layout, caches, attention
         self._engine_forward = engine_forward
+        # a sliced load's blend layers stay layer passes (a step runs a few of them); its
+        # preview, one pass anyway, still goes through the engine
+        self._blend_in_layers = blend_in_layers
         self.slots = torch.empty(0, dtype=torch.int64)
         self.start = self.stop = 0
         self.block_ids: torch.Tensor | None = None
@@ -132,9 +136,16 @@ class _PagedWriter:
         return self.block_ids is not None
 
     @property
+    def engine_forward(self) -> EngineForward | None:
+        return self._engine_forward
+
+    @property
     def runs_engine_forward(self) -> bool:
-        """Whether :meth:`forward_rows` can run (paged attention over the request's blocks)."""
-        return self._engine_forward is not None and self.paged_attention
+        """Whether :meth:`forward_rows` can run (paged attention over the request's blocks, the
+        blend not in layer passes)."""
+        return (
+            self._engine_forward is not None and not self._blend_in_layers and self.paged_attention
+        )
 
     def forward_rows(
         self, rows: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
@@ -146,6 +157,16 @@ class _PagedWriter:
         if slots.numel():
             self._engine_forward(token_ids, positions, slots, self.block_ids)
             self.paged_layers += len(self.caches)
+
+    def preview_rows(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> bool:
+        """A preview selection's tokens (``token_ids [N]`` at sorted ``positions [N]``) through
+        vLLM's forward pass, each layer's attention by ``attend``; writes nothing. False when
+        it did not run (no engine forward, or more tokens than one pass)."""
+        if self._engine_forward is None:
+            return False
+        return self._engine_forward.preview(token_ids, positions, attend)
 
     def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.stop > self.start:
@@ -528,7 +549,13 @@ class WorkerSide:
         self._ensure_ready()
         started = time.perf_counter()
         timer = PhaseTimer() if self.settings.profile else NO_TIMER
-        writer = _PagedWriter(self.layout, self.caches, self._writer.attention_op)
+        writer = _PagedWriter(
+            self.layout,
+            self.caches,
+            self._writer.attention_op,
+            self._writer.engine_forward,
+            blend_in_layers=True,
+        )
         passes = self._prepare(spec, writer, timer)
         job = _Sliced(spec, passes, self._blender(spec), writer, timer, started)
         job.busy_s = time.perf_counter() - started
