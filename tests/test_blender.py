@@ -521,6 +521,28 @@ def test_engine_preview_chooses_what_the_blender_preview_chooses(tiny, selection
         torch.testing.assert_close(result.values[layer], reference.values[layer])
 
 
+@pytest.mark.parametrize("selection", SELECTION_CHOICES)
+def test_blending_never_writes_into_the_stores_entries(tiny, selection) -> None:
+    """The blender only reads its hits (re-rotation, the preview's and the blend's rows go into
+    a buffer of its own), so a memory tier may hand out its entries without a copy
+    (``copy_on_get`` false, as the vLLM worker and the HF engine run it): blending, with and
+    without an engine preview, leaves every entry as stored."""
+    _, model = tiny
+    blender, tokens, end = _reordered_request(model, ratios=(0.3,), selection=selection)
+    store = blender.retriever.segment_cache.store
+    store.copy_on_get = False
+    stored = {key: (kv.keys.clone(), kv.values.clone()) for key, kv in store._entries.items()}
+    assert stored
+    blended = blender.blend(tokens, compute_end=end)
+    assert blended.blended and blended.recomputed.numel()
+    blender.blend(tokens)
+    blender.gpu_connector = _PreviewEngine(blender)
+    blender.blend(tokens, compute_end=end)
+    for key, (keys, values) in stored.items():
+        assert torch.equal(store._entries[key].keys, keys), key
+        assert torch.equal(store._entries[key].values, values), key
+
+
 def test_retriever_stacks_every_layers_hits_with_zero_rows_between() -> None:
     """``stacked``: each hit's rows of every layer in place, rows no hit covers zero (the
     uninitialised buffer must not leak into them), and the same rows as ``result(layer)``."""

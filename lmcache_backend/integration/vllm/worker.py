@@ -313,8 +313,12 @@ class WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self.settings.tp_size > 1 else 0
+        # the blender only reads its hits (it copies them into one buffer per request): memory
+        # tiers need not copy each hit first, unless the user's extra_config says otherwise
+        config = self.settings.config
+        config = config.replace(extra_config={"copy_on_get": False, **config.extra_config})
         store = create_store(
-            self.settings.config,
+            config,
             self.model.device,
             fingerprint=self.model.fingerprint,
             num_kv_heads=self.model.num_kv_heads,
