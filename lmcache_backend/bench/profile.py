@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--layerwise",
         action="store_true",
-        help="the selected tokens through the blender's layer-by-layer path "
+        help="the preview and the selected tokens through the blender's layer-by-layer path "
         "(connector key engine_forward=false) instead of vLLM's forward pass",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
