@@ -182,11 +182,19 @@ def _worker(layers: int, per_step: int):
     return worker
 
 
-def _job(worker, rid: str, layers: int, preview: bool, log: list):
+def _job(worker, rid: str, layers: int, preview: bool | str, log: list):
+    """A sliced job of ``layers`` blend passes after ``preview``: False (none), True (a preview
+    layer by layer: ``layers`` passes) or ``"engine"`` (one pass, vLLM's forward)."""
     from lmcache_backend.integration.vllm.worker import _Sliced
 
+    writer = SimpleNamespace(paged_layers=0, engine_previewed=False)
+
     def passes():
-        for kind in ("preview", "blend") if preview else ("blend",):
+        if preview == "engine":
+            writer.engine_previewed = True
+            log.append((rid, "preview", layers - 1))
+            yield "preview", layers - 1
+        for kind in ("preview", "blend") if preview is True else ("blend",):
             for layer in range(layers):
                 log.append((rid, kind, layer))
                 yield kind, layer
@@ -194,7 +202,6 @@ def _job(worker, rid: str, layers: int, preview: bool, log: list):
 
     spec = SimpleNamespace(req_id=rid)
     blender = SimpleNamespace(timer=None, gpu_connector=None)
-    writer = SimpleNamespace(paged_layers=0)
     from lmcache_backend.blend.timing import NO_TIMER
 
     job = _Sliced(spec, passes(), blender, writer, NO_TIMER, 0.0)
@@ -217,6 +224,24 @@ def test_worker_runs_a_fixed_number_of_passes_per_step_oldest_first() -> None:
     assert counts == [3, [], 3, [], 3, ["a"], 3, ["b"]]
     assert [rid for rid, _ in worker.finished] == ["a", "b"]
     assert worker.finished[0][1] == "result of a" and a.steps == 3
+    assert not worker._sliced
+
+
+def test_a_preview_through_vllms_forward_ends_its_step() -> None:
+    """The engine's preview is one pass but costs about as much as a few blend layers: the step
+    that ran it runs nothing more, whatever budget is left."""
+    worker, log = _worker(layers=4, per_step=3), []
+    a = _job(worker, "a", 4, preview="engine", log=log)  # 1 + 4 passes
+    _job(worker, "b", 4, preview=False, log=log)  # 4 passes
+    counts = []
+    for _ in range(4):
+        before = len(log)
+        worker.advance()
+        counts.append(len(log) - before)
+        done = worker.take_finished_loads()
+        counts.append(sorted(done) if done else [])
+    assert counts == [1, [], 3, [], 3, ["a"], 2, ["b"]]
+    assert log[0] == ("a", "preview", 3) and a.steps == 3
     assert not worker._sliced
 
 

@@ -65,9 +65,9 @@ def test_sliced_blends_over_http_answer_each_client_with_its_own_facts(concurren
 
 def test_blends_were_spread_over_engine_steps(concurrent_run) -> None:
     sliced = [r for r in concurrent_run["records"] if r.get("blend_steps", 1) > 1]
-    # a 30-layer model with a preview through vLLM's forward (one pass): 31 passes, 4 a step
+    # a 30-layer model: the preview through vLLM's forward (a step of its own), 4 layers a step
     assert len(sliced) >= 6, [r.get("blend_steps") for r in concurrent_run["records"]]
-    assert min(r["blend_steps"] for r in sliced) >= 31 // LAYERS_PER_STEP
+    assert min(r["blend_steps"] for r in sliced) >= 1 + 30 // LAYERS_PER_STEP
 
 
 def test_preemption_with_sliced_loads_loses_no_request(server, concurrent_run) -> None:

@@ -102,8 +102,8 @@ def test_three_ranks_blend_consistently(tmp_path, layers_per_step) -> None:
     assert len(part) == 1, records
     assert all(0.14 <= r["recompute_fraction"] <= 0.17 for r in part[0]), part
     steps = {r["blend_steps"] for r in part[0]}
-    # sliced: the preview (one pass through vLLM's forward) and the 30 layers
-    assert steps == ({1} if layers_per_step == 0 else {-(-31 // layers_per_step)}), part
+    # sliced: the preview through vLLM's forward (a step of its own), then the 30 layers
+    assert steps == ({1} if layers_per_step == 0 else {1 + -(-30 // layers_per_step)}), part
     _PART[layers_per_step] = (out["part"], part[0][0]["selected_digest"])
     if layers_per_step and 0 in _PART:
         assert _PART[layers_per_step] == _PART[0], "the sliced blend is the synchronous one"

@@ -126,6 +126,7 @@ class _PagedWriter:
         self.block_ids = block_ids if self._attention is not None else None
         self._plan = None
         self.paged_layers = 0  # layers of the current request attended over the paged cache
+        self.engine_previewed = False  # the request's preview ran through vLLM's forward pass
 
     @property
     def attention_op(self) -> CpuAttention | None:
@@ -166,7 +167,8 @@ class _PagedWriter:
         it did not run (no engine forward, or more tokens than one pass)."""
         if self._engine_forward is None:
             return False
-        return self._engine_forward.preview(token_ids, positions, attend)
+        self.engine_previewed = self._engine_forward.preview(token_ids, positions, attend)
+        return self.engine_previewed
 
     def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.stop > self.start:
@@ -583,10 +585,13 @@ class WorkerSide:
     @torch.inference_mode()
     def advance(self) -> None:
         """Run ``blend_layers_per_step`` layer passes of the blends in flight, oldest first;
-        a blend that completes is reported in ``finished_recving``. The count never depends on
-        time: tensor-parallel ranks run the same passes (and collectives) in the same order."""
+        a blend that completes is reported in ``finished_recving``. A preview through vLLM's
+        forward pass (all its layers in one pass, about as long as a few blend layers) ends the
+        step it ran in. The count never depends on time: tensor-parallel ranks run the same
+        passes (and collectives) in the same order."""
         budget = self.settings.blend_layers_per_step
         stepped: set[str] = set()
+        last_layer = self.model.num_layers - 1
         while self._sliced and budget > 0:
             job = next(iter(self._sliced.values()))
             if job.spec.req_id not in stepped:
@@ -594,7 +599,9 @@ class WorkerSide:
                 job.steps += 1
             if self._step(job):
                 budget -= 1
-            if budget == 0 and job.last == ("blend", self.model.num_layers - 1):
+                if job.last == ("preview", last_layer) and job.writer.engine_previewed:
+                    budget = 0
+            if budget == 0 and job.last == ("blend", last_layer):
                 self._step(job)  # nothing left but the result: finish it this step
 
     def _step(self, job: _Sliced) -> bool:
