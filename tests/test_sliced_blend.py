@@ -209,17 +209,24 @@ def _job(worker, rid: str, layers: int, preview: bool | str, log: list):
     return job
 
 
-def test_worker_runs_a_fixed_number_of_passes_per_step_oldest_first() -> None:
-    worker, log = _worker(layers=4, per_step=3), []
-    a = _job(worker, "a", 4, preview=True, log=log)  # 8 passes
-    _job(worker, "b", 4, preview=False, log=log)  # 4 passes
-    counts = []
-    for _ in range(4):
+def _advance_steps(worker, log: list, steps: int) -> list:
+    """``steps`` engine steps of ``worker``: per step, the passes run and the loads it reports
+    finished (sorted request ids)."""
+    counts: list = []
+    for _ in range(steps):
         before = len(log)
         worker.advance()
         counts.append(len(log) - before)
         done = worker.take_finished_loads()
         counts.append(sorted(done) if done else [])
+    return counts
+
+
+def test_worker_runs_a_fixed_number_of_passes_per_step_oldest_first() -> None:
+    worker, log = _worker(layers=4, per_step=3), []
+    a = _job(worker, "a", 4, preview=True, log=log)  # 8 passes
+    _job(worker, "b", 4, preview=False, log=log)  # 4 passes
+    counts = _advance_steps(worker, log, 4)
     # 3 passes a step; "a" completes in its third step (then "b" gets the rest of the budget)
     assert counts == [3, [], 3, [], 3, ["a"], 3, ["b"]]
     assert [rid for rid, _ in worker.finished] == ["a", "b"]
@@ -233,13 +240,7 @@ def test_a_preview_through_vllms_forward_ends_its_step() -> None:
     worker, log = _worker(layers=4, per_step=3), []
     a = _job(worker, "a", 4, preview="engine", log=log)  # 1 + 4 passes
     _job(worker, "b", 4, preview=False, log=log)  # 4 passes
-    counts = []
-    for _ in range(4):
-        before = len(log)
-        worker.advance()
-        counts.append(len(log) - before)
-        done = worker.take_finished_loads()
-        counts.append(sorted(done) if done else [])
+    counts = _advance_steps(worker, log, 4)
     assert counts == [1, [], 3, [], 3, ["a"], 2, ["b"]]
     assert log[0] == ("a", "preview", 3) and a.steps == 3
     assert not worker._sliced

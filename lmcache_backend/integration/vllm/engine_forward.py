@@ -118,22 +118,31 @@ class EngineForward:
         attention given by ``attend``; their K/V are written nowhere. Returns False (nothing run)
         when ``N`` exceeds one pass: a preview is not chunked, since ``attend`` sees a layer's
         queries all at once (the caller previews on its own path)."""
-        from vllm.forward_context import set_forward_context
-
         n = int(positions.numel())
         if n == 0 or n > self.max_tokens:
             return False
-        metadata = _PreviewMetadata(n)
-        device = next(self.model.parameters()).device
-        with (
-            self._attention_from(attend),
+        with self._attention_from(attend):
             # no slot mapping: vLLM's cache update skips every layer
-            set_forward_context(
-                dict.fromkeys(self.layer_names, metadata),
-                self.vllm_config,
-                num_tokens=n,
-                slot_mapping={},
-            ),
+            self._run_model(token_ids, positions, _PreviewMetadata(n), {})
+        return True
+
+    def _run_model(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: Any,
+        slot_mapping: dict[str, torch.Tensor],
+    ) -> None:
+        """The runner's model over ``token_ids [N]`` at ``positions [N]`` in a forward context
+        of its own: ``metadata`` for every attention layer, ``slot_mapping`` per layer name."""
+        from vllm.forward_context import set_forward_context
+
+        device = next(self.model.parameters()).device
+        with set_forward_context(
+            dict.fromkeys(self.layer_names, metadata),
+            self.vllm_config,
+            num_tokens=int(positions.numel()),
+            slot_mapping=slot_mapping,
         ):
             self.model(
                 input_ids=token_ids.to(device, INPUT_IDS_DTYPE),
@@ -141,7 +150,6 @@ class EngineForward:
                 intermediate_tensors=None,
                 inputs_embeds=None,
             )
-        return True
 
     @contextmanager
     def _attention_from(self, attend: Attend) -> Iterator[None]:
@@ -180,7 +188,6 @@ class EngineForward:
         block_ids: torch.Tensor,
     ) -> None:
         """One forward pass of at most ``max_tokens`` tokens (see :meth:`__call__`)."""
-        from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
         plan = self.attention.plan(positions, block_ids)
@@ -197,15 +204,4 @@ class EngineForward:
             scheduler_metadata=plan.scheduler_metadata,
             causal=True,
         )
-        per_layer = dict.fromkeys(self.layer_names, metadata)
-        slot_mapping = dict.fromkeys(self.layer_names, slots)
-        device = next(self.model.parameters()).device
-        with set_forward_context(
-            per_layer, self.vllm_config, num_tokens=n, slot_mapping=slot_mapping
-        ):
-            self.model(
-                input_ids=token_ids.to(device, INPUT_IDS_DTYPE),
-                positions=positions.to(device, POSITIONS_DTYPE),
-                intermediate_tensors=None,
-                inputs_embeds=None,
-            )
+        self._run_model(token_ids, positions, metadata, dict.fromkeys(self.layer_names, slots))
