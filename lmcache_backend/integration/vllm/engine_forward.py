@@ -13,7 +13,9 @@ own numerics, given:
   aligned to the end of each request, gives the query at position ``p`` exactly keys ``0..p``);
 * a slot mapping with the selected rows' slots, where vLLM's own cache update writes them.
 
-The pass runs inside a forward context of its own (the step's is restored after it); the
+The pass ends once the last layer's K/V are written: nothing reads that layer's attention output
+or what follows it (the engine computes the question itself). The pass runs inside a forward
+context of its own (the step's is restored after it); the
 connector's per-layer hooks it passes through are no-ops. Only vLLM's CPU attention backend is
 wired: that is where :class:`CpuAttention` plans exist.
 
@@ -76,6 +78,29 @@ class _PreviewAttention:
         return output
 
 
+class _LastLayerWritten(Exception):
+    """Ends a selected tokens' pass once its last layer's K/V are in the paged cache."""
+
+
+class _WriteThenStop:
+    """Stands in for the last layer's attention backend in a selected tokens' pass: vLLM's
+    cache update still writes the layer's K/V (through the engine's own backend), then the pass
+    ends. Nothing reads what follows (that layer's attention output, o_proj, MLP, the final
+    norm): later chunks read K/V from the cache, and the engine computes the question itself."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def do_kv_cache_update(self, *args: Any, **kwargs: Any) -> Any:
+        return self.backend.do_kv_cache_update(*args, **kwargs)
+
+    def forward(self, *_: Any, **__: Any) -> torch.Tensor:
+        raise _LastLayerWritten
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+
 class EngineForward:
     """Run selected tokens of one request through the engine's model over its paged cache.
 
@@ -121,7 +146,7 @@ class EngineForward:
         n = int(positions.numel())
         if n == 0 or n > self.max_tokens:
             return False
-        with self._attention_from(attend):
+        with self._backends_replaced(lambda index, _: _PreviewAttention(index, attend)):
             # no slot mapping: vLLM's cache update skips every layer
             self._run_model(token_ids, positions, _PreviewMetadata(n), {})
         return True
@@ -152,15 +177,17 @@ class EngineForward:
             )
 
     @contextmanager
-    def _attention_from(self, attend: Attend) -> Iterator[None]:
-        """Every attention layer's backend replaced by ``attend`` for the duration (the
-        engine's own backends are put back however the pass ends)."""
+    def _backends_replaced(
+        self, stand_in: Callable[[int, Any], Any], first: int = 0
+    ) -> Iterator[None]:
+        """The attention backends of layers ``first..L-1`` replaced by ``stand_in(index,
+        backend)`` for the duration (the engine's own are put back however the pass ends)."""
         context = self.vllm_config.compilation_config.static_forward_context
         layers = [context[name] for name in self.layer_names]
         backends = [layer.impl for layer in layers]
         try:
-            for index, layer in enumerate(layers):
-                layer.impl = _PreviewAttention(index, attend)
+            for index in range(first, len(layers)):
+                layers[index].impl = stand_in(index, backends[index])
             yield
         finally:
             for layer, backend in zip(layers, backends, strict=True):
@@ -204,4 +231,11 @@ class EngineForward:
             scheduler_metadata=plan.scheduler_metadata,
             causal=True,
         )
-        self._run_model(token_ids, positions, metadata, dict.fromkeys(self.layer_names, slots))
+        last = len(self.layer_names) - 1
+        with self._backends_replaced(lambda _, backend: _WriteThenStop(backend), first=last):
+            try:
+                self._run_model(
+                    token_ids, positions, metadata, dict.fromkeys(self.layer_names, slots)
+                )
+            except _LastLayerWritten:
+                pass
