@@ -152,6 +152,12 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         10.0,
         "preview selections: a token's score is divided by 1 + d * position / prompt length",
     ),
+    ConfigKey(
+        "blend_selection_span",
+        _parse_int,
+        1,
+        "preview selections choose aligned spans of this many consecutive tokens (1: tokens)",
+    ),
     ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
     ConfigKey("backend", str, "auto", "op backend: auto, torch, cuda or ascend"),
     ConfigKey("use_layerwise", _parse_bool, True, "LMCache key; blending is always layerwise"),
@@ -208,6 +214,9 @@ class BlendConfig:
     # Late tokens cost more to recompute (attention over more keys) and, measured, help less
     # than their preview score says (docs/quality.md, "Position discount").
     blend_position_discount: float = 10.0
+    # Consecutive selected tokens are cheaper to attend for (one run of queries reads the keys
+    # once): docs/vllm.md, "Spans".
+    blend_selection_span: int = 1
     blend_min_tokens: int = 256
     backend: str = "auto"
     use_layerwise: bool = True
@@ -263,6 +272,12 @@ class BlendConfig:
                 "blend_position_discount",
                 self.blend_position_discount,
                 "must be a finite number >= 0 (0: every position scored alike)",
+            )
+        if self.blend_selection_span < 1:
+            raise self._fail(
+                "blend_selection_span",
+                self.blend_selection_span,
+                "must be >= 1 (tokens per span; 1 chooses single tokens)",
             )
         if self.blend_min_tokens < 0:
             raise self._fail("blend_min_tokens", self.blend_min_tokens, "must be >= 0")

@@ -93,6 +93,7 @@ def _setup(
     min_tokens=0,
     selection="kv_deviation",
     position_discount=10.0,
+    selection_span=1,
 ):
     adapter = HFModelAdapter(model)
     store = MemoryTier("cpu", 1 << 30, "cpu")
@@ -104,6 +105,7 @@ def _setup(
         blend_check_layers=list(check_layers),
         blend_selection=selection,
         blend_position_discount=position_discount,
+        blend_selection_span=selection_span,
     )
     blender = LMCBlender(store, None, config, adapter, SEP, get_ops("torch"))
     return blender, SegmentCache(store, adapter.fingerprint, SEP)

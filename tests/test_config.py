@@ -121,6 +121,8 @@ def test_config_file_argument_beats_env_file(tmp_path) -> None:
         ({"blend_position_discount": "nan"}, "blend_position_discount", "nan"),
         ({"blend_position_discount": "inf"}, "blend_position_discount", "inf"),
         ({"blend_position_discount": "late"}, "blend_position_discount", "late"),
+        ({"blend_selection_span": "0"}, "blend_selection_span", "0"),
+        ({"blend_selection_span": "wide"}, "blend_selection_span", "wide"),
     ],
 )
 def test_validation_errors_name_key_and_value(settings: dict, key: str, fragment: str) -> None:

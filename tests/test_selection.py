@@ -17,6 +17,7 @@ from lmcache_backend.blend.selection import (
     position_discount,
     query_and_last_scores,
     query_attention_mass,
+    span_ranked,
     value_norms,
 )
 from lmcache_backend.config import SELECTION_CHOICES, ConfigError, load_config
@@ -315,3 +316,56 @@ def test_phase_timer_names_what_each_layer_computes(llama, selection, ratio, exp
     blender.blend(_prompt(SYS, C3, C1, C2, Q2))
     names = set(blender.timer.totals)
     assert expected <= names and not absent & names, sorted(names)
+
+
+def test_span_ranked_takes_the_best_spans_whole_and_the_last_in_part() -> None:
+    from lmcache_backend.ops.reference import select_topk_with_invalid
+
+    # spans of 4: sums 1.0, 1.2, 0.05, 0.2; token 8 is not a candidate, so its 9.0 counts nowhere
+    scores = torch.tensor(
+        [0.1, 0.9, 0.0, 0.0, 0.3, 0.3, 0.3, 0.3, 9.0, 0.0, 0.05, 0.0, 0.2, 0.0, 0.0, 0.0]
+    )
+    candidates = torch.ones(16, dtype=torch.bool)
+    candidates[8] = False
+    keys = span_ranked(scores, candidates, 4)
+    # (the non-candidate 8 is listed as every uncached token is: always recomputed)
+    assert select_topk_with_invalid(keys, candidates, 6).tolist() == [0, 1, 4, 5, 6, 7, 8]
+    assert select_topk_with_invalid(keys, candidates, 9).tolist() == [
+        *range(9),
+        12,
+    ]
+    # span 1 keeps the scores' own order
+    distinct = torch.randperm(16, generator=torch.Generator().manual_seed(0)).float()
+    single = span_ranked(distinct, candidates, 1)
+    for count in (1, 2, 6, 15):
+        assert torch.equal(
+            select_topk_with_invalid(single, candidates, count),
+            select_topk_with_invalid(distinct, candidates, count),
+        )
+    # a last span shorter than the others (18 tokens, spans of 4) is ranked like the rest
+    tail = torch.cat([scores, torch.tensor([5.0, 0.0])])
+    keys = span_ranked(tail, torch.cat([candidates, torch.ones(2, dtype=torch.bool)]), 4)
+    assert int(keys.argmax()) == 16
+
+
+@pytest.mark.parametrize("selection", sorted(PREVIEW_SELECTIONS))
+def test_selection_span_recomputes_whole_aligned_spans(llama, selection) -> None:
+    """With ``blend_selection_span=8`` the reusable tokens recomputed are whole aligned spans of
+    8 but one (the last span taken may be cut to the count), as many as single-token selection
+    recomputes, and the blend still ends in the same logits' shape."""
+    recomputed = {}
+    for span in (1, 8):
+        blender, cache = _setup(llama, (0.2,), selection=selection, selection_span=span)
+        _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
+        result = blender.blend(_prompt(SYS, C3, C1, C2, Q2))
+        assert result.blended
+        chosen = result.recomputed[result.valid_mask[result.recomputed]]
+        recomputed[span] = chosen.tolist()
+    assert len(recomputed[8]) == len(recomputed[1]) > 8
+    per_span: dict[int, int] = {}
+    for token in recomputed[8]:
+        per_span[token // 8] = per_span.get(token // 8, 0) + 1
+    valid = result.valid_mask
+    partial = [s for s, n in per_span.items() if n < int(valid[s * 8 : s * 8 + 8].sum())]
+    assert len(partial) <= 1, per_span
+    assert recomputed[8] != recomputed[1]

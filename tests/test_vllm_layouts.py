@@ -94,3 +94,15 @@ def test_paged_attention_benchmark_times_the_three_query_sets() -> None:
         assert row[f"{name} ms"] > 0
         assert 0 < row[f"{name} pair share"] < 1
         assert row[f"{name} pairs"] == pytest.approx(row[f"{name} pair share"] * row["full pairs"])
+
+
+def test_paged_attention_benchmark_times_spans_of_each_length() -> None:
+    """``bench.paged_attention --spans``: per span length, the time and pair shares of a
+    selection in aligned spans against a full prefill's."""
+    pytest.importorskip("vllm._custom_ops")
+    from lmcache_backend.bench.paged_attention import measure_spans
+
+    shares = measure_spans(256, 0.25, [1, 8], 16, repeats=1)
+    assert list(shares) == [1, 8]
+    for time_share, pair_share in shares.values():
+        assert time_share > 0 and 0 < pair_share < 1

@@ -40,6 +40,7 @@ from lmcache_backend.blend.selection import (
     position_discount,
     query_and_last_scores,
     query_attention_mass,
+    span_ranked,
     value_norms,
 )
 from lmcache_backend.blend.timing import NO_TIMER
@@ -827,6 +828,11 @@ class LMCBlender:
         if self.config.blend_position_discount > 0:
             discount = self.config.blend_position_discount
             mass = mass / position_discount(meta.positions.to(mass.device), discount)
+        span = self.config.blend_selection_span
+        if span > 1:
+            candidates = valid.clone()
+            candidates[: meta.exact_prefix] = False
+            mass = span_ranked(mass, candidates, span)
         mass[: meta.exact_prefix] = _LAST_RESORT
         chosen[select_topk_with_invalid(mass, valid, count)] = True
         meta.cached_kv = preview.cached_kv

@@ -37,6 +37,11 @@ of the prompt needs 11 times the score of one at the start. Late tokens cost mor
 (a query at position ``p`` reads ``p + 1`` keys), and on the dev set the discount also gave
 answers closer to full prefill (docs/quality.md, "Position discount").
 
+With ``blend_selection_span`` ``s > 1`` the preview selections rank aligned spans of ``s``
+tokens by their summed score and recompute the best spans whole (:func:`span_ranked`): the same
+number of tokens in runs, which vLLM's CPU attention computes for less per pair, at a measured
+cost in answers (docs/vllm.md and docs/quality.md, "Spans"; the default is 1).
+
 Scores are per token ``[N]`` fp32; with tensor parallelism each rank sees only its heads, so the
 blender sums scores over ranks (``score_reducer``) before choosing, and every rank keeps the same
 tokens.
@@ -234,3 +239,29 @@ def position_discount(positions: torch.Tensor, discount: float) -> torch.Tensor:
     (``P``: the last position + 1); all ones for ``discount`` 0."""
     p = positions.to(torch.float32) + 1.0
     return 1.0 + discount * p / p.max().clamp_min(1.0)
+
+
+def span_ranked(scores: torch.Tensor, candidates: torch.Tensor, span: int) -> torch.Tensor:
+    """``[T]`` float64 keys whose top-k takes whole spans of ``span`` consecutive tokens.
+
+    The prompt is cut into aligned spans (tokens ``s * span .. s * span + span - 1``); a span's
+    score is the sum of its candidates' ``scores [T]`` (``candidates [T]`` bool: the tokens the
+    selection may choose). Keys order tokens by their span's score first (ties: the earlier span)
+    and by their own score inside a span, so taking the top ``count`` keys takes the best spans
+    whole and only the last one in part, by its tokens' own scores.
+
+    Why: a query run of ``span`` consecutive positions costs vLLM's CPU attention about what a
+    full prefill pays per query-key pair, an isolated query 1.5x that (docs/vllm.md).
+    """
+    num = scores.numel()
+    own = torch.where(candidates, scores, torch.zeros_like(scores)).double().clamp_min(0.0)
+    span_of = torch.arange(num, device=scores.device) // span
+    num_spans = int(span_of[-1]) + 1 if num else 0
+    totals = torch.zeros(num_spans, dtype=torch.float64, device=scores.device)
+    totals.index_add_(0, span_of, own)
+    order = torch.sort(totals, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(num_spans, device=scores.device)
+    # whole numbers apart per span rank; the own score (< 0.5 of that gap) orders inside a span
+    inside = own / own.max().clamp_min(torch.finfo(torch.float64).tiny) * 0.5
+    return (num_spans - rank[span_of]).double() + inside

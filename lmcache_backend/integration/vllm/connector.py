@@ -100,11 +100,13 @@ class CacheBlendConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(settings, vllm_config, profile)
         logger.info(
             "CacheBlendConnector (%s, vLLM %s code path): enable_blending=%s, ratios=%s, "
-            "check layers=%s, blend_min_tokens=%d, instance %s",
+            "selection=%s (span %d), check layers=%s, blend_min_tokens=%d, instance %s",
             role.name.lower(),
             profile.release,
             settings.config.enable_blending,
             settings.config.blend_recompute_ratios,
+            settings.config.blend_selection,
+            settings.config.blend_selection_span,
             settings.config.blend_check_layers,
             settings.config.blend_min_tokens,
             settings.instance_id,
