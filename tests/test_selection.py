@@ -334,6 +334,10 @@ def test_span_ranked_takes_the_best_spans_whole_and_the_last_in_part() -> None:
         *range(9),
         12,
     ]
+    # the span taken in part keeps its own best tokens, wherever they sit in it
+    reversed_first = torch.cat([scores[:4].flip(0), scores[4:]])
+    keys = span_ranked(reversed_first, candidates, 4)
+    assert select_topk_with_invalid(keys, candidates, 6).tolist() == [2, 3, 4, 5, 6, 7, 8]
     # span 1 keeps the scores' own order
     distinct = torch.randperm(16, generator=torch.Generator().manual_seed(0)).float()
     single = span_ranked(distinct, candidates, 1)
@@ -352,7 +356,7 @@ def test_span_ranked_takes_the_best_spans_whole_and_the_last_in_part() -> None:
 def test_selection_span_recomputes_whole_aligned_spans(llama, selection) -> None:
     """With ``blend_selection_span=8`` the reusable tokens recomputed are whole aligned spans of
     8 but one (the last span taken may be cut to the count), as many as single-token selection
-    recomputes, and the blend still ends in the same logits' shape."""
+    recomputes, and not the same tokens."""
     recomputed = {}
     for span in (1, 8):
         blender, cache = _setup(llama, (0.2,), selection=selection, selection_span=span)

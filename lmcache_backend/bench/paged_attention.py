@@ -60,10 +60,7 @@ def measure(num_tokens: int, ratio: float, block_size: int, repeats: int) -> dic
         ("scattered", scattered),
         ("runs of 8", runs),
     ):
-        q = torch.randn(positions.numel(), HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
-        plan = attention.plan(positions, block_ids)
-        call = functools.partial(attention, cache, q, plan, 0.125)
-        row[f"{name} ms"] = _median_ms(call, repeats)
+        row[f"{name} ms"] = _time_queries(cache, block_ids, attention, positions, g, repeats)
         row[f"{name} pairs"] = _pairs(positions)
     for name in ("scattered", "runs of 8"):
         row[f"{name} time share"] = row[f"{name} ms"] / row["full ms"]
@@ -96,6 +93,14 @@ def _cache_and_attention(
     return cache, block_ids, CpuAttention(isa, HEADS, KV_HEADS, HEAD_DIM, dtype, split_kv=split_kv)
 
 
+def _time_queries(cache, block_ids, attention, positions: torch.Tensor, g, repeats: int) -> float:
+    """Median ms of one layer's attention for random queries at ``positions [N]`` over
+    ``cache`` (``_cache_and_attention``'s)."""
+    q = torch.randn(positions.numel(), HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    plan = attention.plan(positions, block_ids)
+    return _median_ms(functools.partial(attention, cache, q, plan, 0.125), repeats)
+
+
 def measure_spans(
     num_tokens: int, ratio: float, spans: list[int], block_size: int, repeats: int
 ) -> dict[int, tuple[float, float]]:
@@ -106,9 +111,7 @@ def measure_spans(
     cache, block_ids, attention = _cache_and_attention(num_tokens, block_size, g)
 
     def timed(positions: torch.Tensor) -> float:
-        q = torch.randn(positions.numel(), HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
-        plan = attention.plan(positions, block_ids)
-        return _median_ms(functools.partial(attention, cache, q, plan, 0.125), repeats)
+        return _time_queries(cache, block_ids, attention, positions, g, repeats)
 
     every = torch.arange(num_tokens)
     full_ms, full_pairs = timed(every), _pairs(every)

@@ -821,18 +821,15 @@ class LMCBlender:
         if self.score_reducer is not None:
             mass = self.score_reducer(mass)
             last = None if last is None else self.score_reducer(last)
+        candidates = valid.clone()  # the tokens the selection may choose
+        candidates[: meta.exact_prefix] = False
         if last is not None:
-            candidates = valid.clone()
-            candidates[: meta.exact_prefix] = False
             mass = query_and_last_scores(mass, last, candidates)
         if self.config.blend_position_discount > 0:
             discount = self.config.blend_position_discount
             mass = mass / position_discount(meta.positions.to(mass.device), discount)
-        span = self.config.blend_selection_span
-        if span > 1:
-            candidates = valid.clone()
-            candidates[: meta.exact_prefix] = False
-            mass = span_ranked(mass, candidates, span)
+        if self.config.blend_selection_span > 1:
+            mass = span_ranked(mass, candidates, self.config.blend_selection_span)
         mass[: meta.exact_prefix] = _LAST_RESORT
         chosen[select_topk_with_invalid(mass, valid, count)] = True
         meta.cached_kv = preview.cached_kv

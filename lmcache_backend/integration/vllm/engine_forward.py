@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -94,7 +94,7 @@ class _WriteThenStop:
     def do_kv_cache_update(self, *args: Any, **kwargs: Any) -> Any:
         return self.backend.do_kv_cache_update(*args, **kwargs)
 
-    def forward(self, *_: Any, **__: Any) -> torch.Tensor:
+    def forward(self, *_: Any, **__: Any) -> NoReturn:
         raise _LastLayerWritten
 
     def __getattr__(self, name: str) -> Any:
