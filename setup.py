@@ -27,7 +27,7 @@ setup(
         "lmcache_backend.backends": "backends",
         "lmcache_backend.patches": "patches",
     },
-    package_data={"lmcache_backend": ["data/*.jsonl"]},
+    package_data={"lmcache_backend": ["data/*.jsonl", "ops/*.cpp"]},
     install_requires=[
         "torch>=2.4",
         "pyyaml>=6",
@@ -35,6 +35,8 @@ setup(
         "safetensors>=0.4",
         "numpy>=1.24",
         "redis>=5.0",
+        # builds the CPU tiled-attention kernel (lmcache_backend/ops/cpu_kernels.py)
+        "ninja>=1.11",
     ],
     extras_require={
         "cuda": ["triton>=3.0"],

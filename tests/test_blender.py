@@ -413,13 +413,23 @@ class _EngineKV:
         self.keys[layer_id][rows] = keys
         self.values[layer_id][rows] = values
 
-    def attention(self, layer_id, q, positions, scale):
+    def attention(self, layer_id, q, positions, scale, keys=None, values=None):
         self.events.append("attention")
+        # the contiguous K/V handed over for a tiled kernel: the rows the queries may read
+        end = int(positions.max()) + 1 if positions.numel() else 0
+        assert keys is not None and torch.equal(keys[:end], self.keys[layer_id][:end])
+        assert torch.equal(values[:end], self.values[layer_id][:end])
         keys, values = self.keys[layer_id], self.values[layer_id]
         return self.ops.attention_at_positions(q, keys, values, positions, scale)
 
-    def forward_rows(self, rows, token_ids, positions):
+    def forward_rows(self, rows, token_ids, positions, kv=None):
         self.events.append("forward")
+        # the blended K/V handed over for a tiled kernel: every layer as the cache holds it
+        self.kv_as_written = kv is not None and all(
+            torch.equal(kv[0][layer], self.keys[layer])
+            and torch.equal(kv[1][layer], self.values[layer])
+            for layer in range(self.model.num_layers)
+        )
         self.forwards.append((rows.tolist(), token_ids.tolist(), positions.tolist()))
         model = self.model
         hidden = model.embed(token_ids)
@@ -455,6 +465,7 @@ def test_engine_forward_gets_the_fixed_selection_over_every_cached_row(tiny, sel
     assert yielded == list(range(layers))
     ((rows, ids, positions),) = engine.forwards
     assert engine.events == ["rows"] * layers + ["forward"]  # every cached row first
+    assert engine.kv_as_written
     assert rows == reference.recomputed.tolist() and max(rows) < end
     assert ids == [tokens[i] for i in rows] and positions == rows
     assert result.recomputed.tolist() == rows and result.token_layers == reference.token_layers

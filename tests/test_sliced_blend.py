@@ -57,6 +57,18 @@ def test_bad_blend_layers_per_step_fails_start(settings_for, value) -> None:
         settings_for(blend_layers_per_step=value)
 
 
+@pytest.mark.parametrize("value", ["fast", 1, None, True])
+def test_bad_selected_attention_fails_start(settings_for, value) -> None:
+    with pytest.raises(ConfigError, match=rf"selected_attention={value!r}: expected one of"):
+        settings_for(selected_attention=value)
+
+
+def test_selected_attention_defaults_to_auto(settings_for) -> None:
+    assert settings_for().selected_attention == "auto"
+    assert settings_for(selected_attention=" VLLM ").selected_attention == "vllm"
+    assert settings_for(selected_attention="tiled").selected_attention == "tiled"
+
+
 def test_blend_layers_per_step_defaults_to_synchronous(settings_for) -> None:
     assert settings_for().blend_layers_per_step == 0
     assert settings_for(blend_layers_per_step=4).blend_layers_per_step == 4

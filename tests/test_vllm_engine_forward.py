@@ -28,6 +28,8 @@ import textwrap
 import pytest
 from vllm_scripts import run_blend_script
 
+from lmcache_backend.ops.cpu_kernels import unsupported_reason
+
 pytest.importorskip("vllm")
 
 #: relative Frobenius error allowed per layer between the two paths' recomputed K (and V) rows:
@@ -107,6 +109,7 @@ SCRIPT = textwrap.dedent(
         engine_forward.chunk_tokens = engine_forward.max_tokens
         worker._writer._blend_in_layers = True  # the selected tokens layer by layer
         result["layerwise"] = answer("reordered")
+        result["tiled"] = engine_forward.tiled_attention is not None
         worker._writer._engine_forward = None  # and the blender's own preview
         result["blender_preview"] = answer("reordered")
         (ek, ev), (ck, cv), (lk, lv), _ = captured
@@ -149,6 +152,8 @@ def test_engine_forward_matches_the_layerwise_blend(tmp_path) -> None:
         assert ("preview: rest" in phases) != engine_preview, phases
         assert ("selected: engine forward" in phases) == engine_selected, phases
         assert ("selected: attention" in phases) != engine_selected, phases
+    # the selected tokens' pass attends with the tiled kernel wherever it runs
+    assert result["tiled"] == (unsupported_reason() is None)
     for key in ("claimed", "num_reusable", "recomputed_reusable", "selected_digest"):
         assert fast[key] == layerwise[key], key
     assert fast["fallback_reason"] is None and fast["recomputed_reusable"] > 0

@@ -101,8 +101,12 @@ def test_paged_attention_benchmark_times_spans_of_each_length() -> None:
     selection in aligned spans against a full prefill's."""
     pytest.importorskip("vllm._custom_ops")
     from lmcache_backend.bench.paged_attention import measure_spans
+    from lmcache_backend.ops.cpu_kernels import unsupported_reason
 
     shares = measure_spans(256, 0.25, [1, 8], 16, repeats=1)
     assert list(shares) == [1, 8]
-    for time_share, pair_share in shares.values():
+    for time_share, pair_share, tiled_share in shares.values():
         assert time_share > 0 and 0 < pair_share < 1
+        # the tiled kernel is timed where it runs, and only there
+        assert (tiled_share is not None) == (unsupported_reason() is None)
+        assert tiled_share is None or tiled_share > 0

@@ -16,7 +16,8 @@ its selection has (late tokens read more keys).
 
 ``--spans 1,2,4,8,16`` instead times ``ratio * T`` queries in aligned spans of each length,
 drawn with a weight growing with position (as a blend's selection favours late tokens), and
-prints each one's cost per pair against a full prefill's (``blend_selection_span``).
+prints each one's cost per pair against a full prefill's (``blend_selection_span``), through
+vLLM's kernel and through the blend's tiled kernel (``selected_attention``, where it runs).
 """
 
 from __future__ import annotations
@@ -101,12 +102,30 @@ def _time_queries(cache, block_ids, attention, positions: torch.Tensor, g, repea
     return _median_ms(functools.partial(attention, cache, q, plan, 0.125), repeats)
 
 
+def _tiled_ms(positions: torch.Tensor, num_tokens: int, g, repeats: int) -> float | None:
+    """Median ms of the blend's tiled kernel (:mod:`lmcache_backend.ops.cpu_kernels`) for
+    random queries at ``positions [N]`` over ``num_tokens`` contiguous random bf16 K/V; None
+    where it cannot run."""
+    from lmcache_backend.ops.cpu_kernels import KernelUnavailable, load_tiled_attention
+
+    try:
+        kernel = load_tiled_attention()
+    except KernelUnavailable:
+        return None
+    keys, values = (
+        torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16) for _ in "kv"
+    )
+    q = torch.randn(positions.numel(), HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    return _median_ms(functools.partial(kernel, q, positions, keys, values, 0.125), repeats)
+
+
 def measure_spans(
     num_tokens: int, ratio: float, spans: list[int], block_size: int, repeats: int
-) -> dict[int, tuple[float, float]]:
-    """Per span length: ``(time share, pair share)`` of one layer's attention for ``ratio *
-    num_tokens`` queries in aligned spans of that length (span ``s`` drawn with weight
-    ``(s + 1) ** 1.2``: late spans more often), against a full prefill's."""
+) -> dict[int, tuple[float, float, float | None]]:
+    """Per span length: ``(time share, pair share, tiled time share)`` of one layer's attention
+    for ``ratio * num_tokens`` queries in aligned spans of that length (span ``s`` drawn with
+    weight ``(s + 1) ** 1.2``: late spans more often), against vLLM's full prefill: through
+    vLLM's kernel, and through the blend's tiled kernel (None where it cannot run)."""
     g = torch.Generator().manual_seed(num_tokens)
     cache, block_ids, attention = _cache_and_attention(num_tokens, block_size, g)
 
@@ -121,7 +140,12 @@ def measure_spans(
         weights = (torch.arange(num_tokens // span, dtype=torch.float64) + 1) ** 1.2
         chosen = torch.multinomial(weights, max(1, count // span), generator=g).sort().values
         positions = (chosen[:, None] * span + torch.arange(span)).flatten()
-        shares[span] = (timed(positions) / full_ms, _pairs(positions) / full_pairs)
+        tiled = _tiled_ms(positions, num_tokens, g, repeats)
+        shares[span] = (
+            timed(positions) / full_ms,
+            _pairs(positions) / full_pairs,
+            None if tiled is None else tiled / full_ms,
+        )
     return shares
 
 
@@ -143,8 +167,9 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{size:6d} tokens: "
                 + "; ".join(
-                    f"span {span}: {t:.3f} of the time for {p:.3f} of the pairs ({t / p:.2f}x)"
-                    for span, (t, p) in shares.items()
+                    f"span {span}: {t:.3f} of the time for {p:.3f} of the pairs ({t / p:.2f}x"
+                    + (")" if tiled is None else f", tiled kernel {tiled / p:.2f}x)")
+                    for span, (t, p, tiled) in shares.items()
                 )
             )
         return

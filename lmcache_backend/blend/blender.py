@@ -106,10 +106,17 @@ class PagedKV(KVLayerWriter, Protocol):
         """``keys``, ``values``: ``[N, Hkv, D]`` of the token indices ``rows [N]``."""
 
     def attention(
-        self, layer_id: int, q: torch.Tensor, positions: torch.Tensor, scale: float
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q [N, Hq, D]`` at sorted ``positions [N]`` over the written keys ``0..p`` of each
-        query -> ``[N, Hq, D]``."""
+        query -> ``[N, Hq, D]``. ``keys``/``values`` ``[T, Hkv, D]``: the same rows as the
+        layer's written ones, contiguous (a writer may attend over them instead)."""
 
 
 class EngineForwardKV(PagedKV, Protocol):
@@ -120,9 +127,14 @@ class EngineForwardKV(PagedKV, Protocol):
     runs_engine_forward: bool
 
     def forward_rows(
-        self, rows: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Tokens ``rows [N]`` (``token_ids [N]`` at sorted ``positions [N]``) in every layer."""
+        """Tokens ``rows [N]`` (``token_ids [N]`` at sorted ``positions [N]``) in every layer;
+        ``kv``: the request's blended K/V, ``[L, T, Hkv, D]`` each, as the cache holds them."""
 
 
 #: ``attend(layer_id, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq, D]``
@@ -684,7 +696,7 @@ class LMCBlender:
                 if query_mass is not None:  # the preview: attention and the query's mass at once
                     attn = self._preview_attention(q, keys, values, meta, query_mass, last_mass)
                 elif paged:
-                    attn = writer.attention(layer, q, positions, model.attn_scale)
+                    attn = writer.attention(layer, q, positions, model.attn_scale, keys, values)
                 else:
                     attn = self.ops.attention_at_positions(
                         q, keys, values, positions, model.attn_scale
@@ -712,7 +724,10 @@ class LMCBlender:
         self._write_cached_rows(writer, 0, meta)
         self.timer.lap("write-back")
         active = meta.active.cpu()
-        writer.forward_rows(active, token_ids[active], meta.positions[meta.active])
+        # the blended K/V of every layer, as the paged cache now holds them: a tiled kernel
+        # attends over these (the pass writes each layer's selected rows into both)
+        kv = self._cached_layers(meta)
+        writer.forward_rows(active, token_ids[active], meta.positions[meta.active], kv)
         meta.token_layers += active.numel() * self.model.num_layers
         self.timer.lap("selected: engine forward")
         yield from range(self.model.num_layers)

@@ -13,6 +13,13 @@ own numerics, given:
   aligned to the end of each request, gives the query at position ``p`` exactly keys ``0..p``);
 * a slot mapping with the selected rows' slots, where vLLM's own cache update writes them.
 
+With the blend's tiled kernel (connector key ``selected_attention``, default ``auto``) the
+selected queries attend instead over the request's contiguous blended K/V, which the blender
+holds anyway and which the pass keeps equal to the paged cache (each layer's fresh rows go into
+both): vLLM's kernel takes each run of consecutive positions as a request of its own and pays
+about 1.5x a full prefill's cost per query-key pair for isolated queries; the tiled kernel reads
+each key block once for a tile of selected queries (:mod:`lmcache_backend.ops.cpu_kernels`).
+
 The pass ends once the last layer's K/V are written: nothing reads that layer's attention output
 or what follows it (the engine computes the question itself). The pass runs inside a forward
 context of its own (the step's is restored after it); the
@@ -35,6 +42,7 @@ from typing import Any, NoReturn
 import torch
 
 from lmcache_backend.integration.vllm.layouts import CpuAttention
+from lmcache_backend.ops.cpu_kernels import TiledAttention
 
 # The dtypes of vLLM's model-runner input buffers. The compiled graph is traced with them and
 # reads its inputs as such: int64 token ids would be read as pairs of int32 (every other token
@@ -82,11 +90,9 @@ class _LastLayerWritten(Exception):
     """Ends a selected tokens' pass once its last layer's K/V are in the paged cache."""
 
 
-class _WriteThenStop:
-    """Stands in for the last layer's attention backend in a selected tokens' pass: vLLM's
-    cache update still writes the layer's K/V (through the engine's own backend), then the pass
-    ends. Nothing reads what follows (that layer's attention output, o_proj, MLP, the final
-    norm): later chunks read K/V from the cache, and the engine computes the question itself."""
+class _CacheWritingStandIn:
+    """Base of the stand-ins whose layer still writes its K/V: vLLM's cache update (and any
+    other attribute) goes to the engine's own backend; subclasses replace ``forward``."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
@@ -94,11 +100,59 @@ class _WriteThenStop:
     def do_kv_cache_update(self, *args: Any, **kwargs: Any) -> Any:
         return self.backend.do_kv_cache_update(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+
+class _WriteThenStop(_CacheWritingStandIn):
+    """Stands in for the last layer's attention backend in a selected tokens' pass: vLLM's
+    cache update still writes the layer's K/V (through the engine's own backend), then the pass
+    ends. Nothing reads what follows (that layer's attention output, o_proj, MLP, the final
+    norm): later chunks read K/V from the cache, and the engine computes the question itself."""
+
     def forward(self, *_: Any, **__: Any) -> NoReturn:
         raise _LastLayerWritten
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.backend, name)
+
+class _TiledAttention(_CacheWritingStandIn):
+    """Stands in for one layer's attention backend in a selected tokens' pass, given the
+    request's contiguous blended K/V of that layer (``keys``/``values`` ``[T, Hkv, D]``): vLLM's
+    cache update still writes the layer's fresh K/V into the paged cache (through the engine's
+    own backend), the same rows go into ``keys``/``values``, and the queries attend over those
+    with the blend's tiled kernel (:mod:`lmcache_backend.ops.cpu_kernels`) instead of vLLM's."""
+
+    def __init__(
+        self,
+        backend: Any,
+        kernel: TiledAttention,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        super().__init__(backend)
+        self.kernel = kernel
+        self.keys, self.values, self.positions = keys, values, positions
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        **_: Any,
+    ) -> torch.Tensor:
+        n = int(self.positions.numel())
+        kv_heads, dim = self.keys.shape[1], self.keys.shape[2]
+        rows = self.positions
+        self.keys[rows] = key[:n].reshape(n, kv_heads, dim).to(self.keys.dtype)
+        self.values[rows] = value[:n].reshape(n, kv_heads, dim).to(self.values.dtype)
+        q = query[:n].reshape(n, -1, dim)
+        out = self.kernel(q, rows, self.keys, self.values, float(self.backend.scale))
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
 
 
 class EngineForward:
@@ -109,6 +163,9 @@ class EngineForward:
         vllm_config: the engine's ``VllmConfig`` (for the forward context).
         layer_names: the attention layers' names, in layer order.
         attention: the CPU attention planner (geometry, kernel path, KV split).
+        tiled_attention: the blend's tiled kernel for the selected queries' attention (used
+            when the caller passes the request's contiguous K/V; the worker checked that it
+            runs on this model and cache); None: vLLM's kernel.
     """
 
     def __init__(
@@ -117,10 +174,12 @@ class EngineForward:
         vllm_config: Any,
         layer_names: list[str],
         attention: CpuAttention,
+        tiled_attention: TiledAttention | None = None,
     ) -> None:
         self.model, self.vllm_config = model, vllm_config
         self.layer_names = list(layer_names)
         self.attention = attention
+        self.tiled_attention = tiled_attention
         # the most tokens vLLM's compiled graph is built for in one pass (its compile ranges stop
         # there); more run as consecutive chunks, exact as chunked prefill is: a later chunk's
         # queries read the earlier chunks' rows, already written in every layer
@@ -199,13 +258,20 @@ class EngineForward:
         positions: torch.Tensor,
         slots: torch.Tensor,
         block_ids: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Compute tokens ``token_ids [N]`` at sorted ``positions [N]`` in every layer, writing
-        their K/V to ``slots [N]``, attending over the request's blocks ``block_ids``."""
+        their K/V to ``slots [N]``, attending over the request's blocks ``block_ids``.
+
+        ``kv``: the request's blended K/V, ``[L, T, Hkv, D]`` each (row ``t`` is position
+        ``t``), the same rows the paged cache holds. Given, with the tiled kernel, the queries
+        attend over these instead (each layer's fresh rows are written into both)."""
         step = max(1, min(self.chunk_tokens, self.max_tokens))
         for start in range(0, int(positions.numel()), step):
             stop = start + step
-            self._pass(token_ids[start:stop], positions[start:stop], slots[start:stop], block_ids)
+            self._pass(
+                token_ids[start:stop], positions[start:stop], slots[start:stop], block_ids, kv
+            )
 
     def _pass(
         self,
@@ -213,6 +279,7 @@ class EngineForward:
         positions: torch.Tensor,
         slots: torch.Tensor,
         block_ids: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
         """One forward pass of at most ``max_tokens`` tokens (see :meth:`__call__`)."""
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
@@ -232,7 +299,20 @@ class EngineForward:
             causal=True,
         )
         last = len(self.layer_names) - 1
-        with self._backends_replaced(lambda _, backend: _WriteThenStop(backend), first=last):
+        tiled = self.tiled_attention is not None and kv is not None
+        rows = positions.to(torch.int64).cpu()
+
+        def stand_in(index: int, backend: Any) -> Any:
+            if index == last:
+                return _WriteThenStop(backend)
+            if tiled:
+                keys, values = kv
+                return _TiledAttention(
+                    backend, self.tiled_attention, keys[index], values[index], rows
+                )
+            return backend
+
+        with self._backends_replaced(stand_in):
             try:
                 self._run_model(
                     token_ids, positions, metadata, dict.fromkeys(self.layer_names, slots)

@@ -29,7 +29,11 @@ CONNECTOR_KEYS = (
     "profile",
     "blend_layers_per_step",
     "engine_forward",
+    "selected_attention",
 )
+
+#: ``selected_attention`` values: the kernel of the selected tokens' attention in vLLM's forward
+SELECTED_ATTENTION = ("auto", "tiled", "vllm")
 
 #: ``kv_transfer_params`` keys a request may set.
 REQUEST_KEYS = ("blend", "blend_recompute_ratios", "blend_check_layers", "blend_selection")
@@ -63,6 +67,10 @@ class ConnectorSettings:
             load runs the selected tokens through vLLM's own compiled forward pass over the
             blended paged cache (vLLM's CPU attention backend); False: through the blender's
             layer-by-layer path (also used for sliced loads and the check-layer selections).
+        selected_attention: the attention kernel of that pass. ``"auto"`` (default): the
+            blend's tiled kernel where it builds and runs (x86-64 with AVX-512 BF16, a bf16
+            model), else vLLM's, logged; ``"tiled"``: the tiled kernel or an error at start;
+            ``"vllm"``: vLLM's CPU attention (one request per run of selected positions).
     """
 
     config: BlendConfig
@@ -76,6 +84,7 @@ class ConnectorSettings:
     profile: bool = False
     blend_layers_per_step: int = 0
     engine_forward: bool = True
+    selected_attention: str = "auto"
 
     def rank_instance(self, rank: int) -> str:
         """Index id of one rank (the same on the scheduler and on that rank's worker)."""
@@ -135,7 +144,17 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         profile=_flag("profile", own.get("profile", False)),
         blend_layers_per_step=_count("blend_layers_per_step", own.get("blend_layers_per_step", 0)),
         engine_forward=_flag("engine_forward", own.get("engine_forward", True)),
+        selected_attention=_choice(
+            "selected_attention", own.get("selected_attention", "auto"), SELECTED_ATTENTION
+        ),
     )
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    """A connector key taking one of ``choices`` (case and surrounding spaces ignored)."""
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    raise ConfigError(f"{key}={value!r}: expected one of {', '.join(choices)}")
 
 
 def _count(key: str, value: Any) -> int:

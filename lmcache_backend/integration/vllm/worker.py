@@ -36,7 +36,7 @@ import torch
 from lmcache_backend.blend import LMCBlender, SegmentCache
 from lmcache_backend.blend.blender import run_to_end
 from lmcache_backend.blend.timing import NO_TIMER, PhaseTimer
-from lmcache_backend.config import BlendConfig
+from lmcache_backend.config import BlendConfig, ConfigError
 from lmcache_backend.integration.vllm.engine_forward import Attend, EngineForward
 from lmcache_backend.integration.vllm.layouts import (
     AttentionPlan,
@@ -51,6 +51,7 @@ from lmcache_backend.integration.vllm.settings import ConnectorSettings
 from lmcache_backend.model_tracker import ENGINE_NAME, ModelTracker
 from lmcache_backend.models.vllm import VLLMModelAdapter
 from lmcache_backend.ops import Ops, get_ops
+from lmcache_backend.ops.cpu_kernels import KernelUnavailable, TiledAttention, load_tiled_attention
 from lmcache_backend.ops.reference import kv_deviation_topk
 from lmcache_backend.storage import create_store
 
@@ -105,9 +106,11 @@ class _PagedWriter:
         attention: CpuAttention | None,
         engine_forward: EngineForward | None = None,
         blend_in_layers: bool = False,
+        tiled_attention: TiledAttention | None = None,
     ) -> None:
         self.layout, self.caches, self._attention = layout, caches, attention
         self._engine_forward = engine_forward
+        self._tiled_attention = tiled_attention
         # a sliced load's blend layers stay layer passes (a step runs a few of them); its
         # preview, one pass anyway, still goes through the engine
         self._blend_in_layers = blend_in_layers
@@ -141,6 +144,10 @@ class _PagedWriter:
         return self._engine_forward
 
     @property
+    def tiled_attention(self) -> TiledAttention | None:
+        return self._tiled_attention
+
+    @property
     def runs_engine_forward(self) -> bool:
         """Whether :meth:`forward_rows` can run (paged attention over the request's blocks, the
         blend not in layer passes)."""
@@ -149,14 +156,19 @@ class _PagedWriter:
         )
 
     def forward_rows(
-        self, rows: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Tokens ``rows [N]`` (``token_ids [N]`` at sorted ``positions [N]``) through vLLM's
         forward pass, writing their rows of every layer. Rows in vLLM's prefix cache are left
-        out: their K/V there are already a full prefill's (see :meth:`_own_rows`)."""
+        out: their K/V there are already a full prefill's (see :meth:`_own_rows`). ``kv``: the
+        request's blended K/V (``[L, T, Hkv, D]`` each) for the tiled kernel, if it runs."""
         slots, token_ids, positions = self._own_rows(rows, token_ids, positions)
         if slots.numel():
-            self._engine_forward(token_ids, positions, slots, self.block_ids)
+            self._engine_forward(token_ids, positions, slots, self.block_ids, kv)
             self.paged_layers += len(self.caches)
 
     def preview_rows(
@@ -193,13 +205,22 @@ class _PagedWriter:
         return (self.slots[rows.cpu() - self.start], *aligned)
 
     def attention(
-        self, layer_id: int, q: torch.Tensor, positions: torch.Tensor, scale: float
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V."""
+        """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V; with the
+        tiled kernel, over ``keys``/``values`` ``[T, Hkv, D]`` (the same rows, contiguous)."""
+        self.paged_layers += 1
+        if self._tiled_attention is not None and keys is not None:
+            return self._tiled_attention(q, positions, keys, values, scale)
         plan = self._plan
         if plan is None or not torch.equal(plan.positions, positions.cpu()):
             plan = self._plan = self._attention.plan(positions, self.block_ids)
-        self.paged_layers += 1
         return self._attention(self.caches[layer_id], q, plan, scale)
 
 
@@ -292,6 +313,13 @@ class WorkerSide:
         indexed.sort()
         self.layer_names = [name for _, name, _ in indexed]
         self.caches = [cache for _, _, cache in indexed]
+        if self.settings.selected_attention != "vllm":
+            # build the tiled kernel now (about 30 s, the first time on a machine), not in the
+            # first blended request's time to first token; whether it is used is decided later
+            try:
+                load_tiled_attention()
+            except KernelUnavailable:
+                pass  # _choose_tiled_attention logs why (or stops the engine for "tiled")
         if self.profile.kv_transfer_after_model_load:
             self._ensure_ready()
 
@@ -309,8 +337,13 @@ class WorkerSide:
         self._check_rerotation()
         self.layout = self._make_layout()
         attention = self._make_attention()
+        tiled = self._choose_tiled_attention() if attention is not None else None
         self._writer = _PagedWriter(
-            self.layout, self.caches, attention, self._make_engine_forward(model, attention)
+            self.layout,
+            self.caches,
+            attention,
+            self._make_engine_forward(model, attention, tiled),
+            tiled_attention=tiled,
         )
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -416,12 +449,37 @@ class WorkerSide:
         )
 
     def _make_engine_forward(
-        self, model: torch.nn.Module, attention: CpuAttention | None
+        self, model: torch.nn.Module, attention: CpuAttention | None, tiled: TiledAttention | None
     ) -> EngineForward | None:
         """The fixed selections' pass through vLLM's forward, where paged attention runs."""
         if attention is None or not self.settings.engine_forward or not EngineForward.available():
             return None
-        return EngineForward(model, self.vllm_config, self.layer_names, attention)
+        return EngineForward(model, self.vllm_config, self.layer_names, attention, tiled)
+
+    def _choose_tiled_attention(self) -> TiledAttention | None:
+        """The blend's tiled kernel for the selected queries, per ``selected_attention``; the one
+        place that decides it (its users pass it the blend's K/V, in the model's dtype)."""
+        choice = self.settings.selected_attention
+        if choice == "vllm":
+            return None
+        if self.caches[0].dtype != torch.bfloat16:
+            reason = f"the tiled kernel needs a bf16 KV cache, this one is {self.caches[0].dtype}"
+        elif self.model.dtype != torch.bfloat16:
+            reason = f"the tiled kernel needs a bf16 model, this one is {self.model.dtype}"
+        elif self.model.head_dim % 32:
+            reason = f"the tiled kernel needs a head dim multiple of 32, not {self.model.head_dim}"
+        else:
+            try:
+                kernel = load_tiled_attention()
+            except KernelUnavailable as exc:
+                reason = str(exc)
+            else:
+                logger.info("CacheBlend: selected tokens attend with the tiled CPU kernel")
+                return kernel
+        if choice == "tiled":
+            raise ConfigError(f"selected_attention='tiled': {reason}")
+        logger.warning("CacheBlend: selected_attention=auto: %s; using vLLM's attention", reason)
+        return None
 
     def _ops(self) -> Ops:
         ops = get_ops(self.settings.config.backend)
@@ -561,6 +619,7 @@ class WorkerSide:
             self._writer.attention_op,
             self._writer.engine_forward,
             blend_in_layers=True,
+            tiled_attention=self._writer.tiled_attention,
         )
         passes = self._prepare(spec, writer, timer)
         job = _Sliced(spec, passes, self._blender(spec), writer, timer, started)

@@ -1,0 +1,118 @@
+"""The blend's own CPU kernel: tiled attention of selected queries (``cpu_tiled_attention.cpp``).
+
+Built with the system's C++ compiler on first use (about 30 s, once per machine and torch
+version: the library is kept under ``$LMCACHE_KERNEL_CACHE``, default
+``~/.cache/lmcache_backend/kernels``) and only where it can run: x86-64 with AVX-512 BF16, whose
+bf16 matrix products it takes from oneDNN through torch. Anything else gets
+:class:`KernelUnavailable` with the reason, and the caller keeps vLLM's attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_tiled_attention.cpp")
+#: selected queries per tile: rows of one product are ``TILE_QUERIES x (Hq / Hkv)``
+TILE_QUERIES = 16
+#: the CPU flags the kernel is compiled for (``-march=native`` must include them)
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+#: ``tiled_attention(q [N, Hq, D], positions [N], k [T, Hkv, D], v [T, Hkv, D], scale)``
+TiledAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+#: compiled for this machine's CPU (checked against REQUIRED_FLAGS first); ATen's vector
+#: types in their AVX-512 form; OpenMP on, or ATen's parallel_for (inline in its headers) runs
+#: on one thread. The library then shares torch's own libgomp (the same soname, loaded first).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+LDFLAGS = ["-fopenmp"]
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot run here; the message says why."""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def unsupported_reason() -> str | None:
+    """Why the kernel cannot run on this machine, or None when it can."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs x86-64, this is {platform.machine()}"
+    missing = [flag for flag in REQUIRED_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        return f"needs the CPU flags {', '.join(missing)}"
+    if not torch.backends.mkldnn.is_available():
+        return "needs torch built with oneDNN (mkldnn)"
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LMCACHE_KERNEL_CACHE") or Path.home() / ".cache/lmcache_backend/kernels"
+    return Path(root)
+
+
+@functools.lru_cache(maxsize=1)
+def load_tiled_attention() -> TiledAttention:
+    """The compiled kernel (built on first call, then loaded from the cache).
+
+    Raises:
+        KernelUnavailable: the CPU cannot run it, or it does not build (no compiler, ...).
+    """
+    reason = unsupported_reason()
+    if reason is not None:
+        raise KernelUnavailable(f"tiled attention {reason}")
+    from torch.utils import cpp_extension
+
+    source = SOURCE.read_bytes()
+    # one library per source and torch version: an edited kernel is never a stale one
+    flags = " ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode()
+    tag = hashlib.sha256(source + flags).hexdigest()[:12]
+    build = _cache_dir() / f"tiled_attention_{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    # torch runs `ninja` from PATH; the pip-installed one sits next to this interpreter
+    scripts = str(Path(sys.executable).parent)
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    try:
+        module = cpp_extension.load(
+            name=f"lmcache_tiled_attention_{tag}",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(build),
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:
+        raise KernelUnavailable(f"tiled attention did not build: {exc}") from exc
+    logger.info("tiled attention kernel loaded from %s", build)
+
+    def tiled_attention(
+        q: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q [N, Hq, D]`` at sorted ``positions [N]`` over ``k``/``v`` ``[T, Hkv, D]`` (row
+        ``t`` is position ``t``), bf16 -> ``[N, Hq, D]`` bf16, each query over keys ``0..p``."""
+        return module.tiled_attention(
+            q.contiguous(), positions.cpu(), k.contiguous(), v.contiguous(), scale, TILE_QUERIES
+        )
+
+    return tiled_attention

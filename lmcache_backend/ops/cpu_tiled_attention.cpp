@@ -1,0 +1,210 @@
+// Exact causal attention of a blend's selected queries (scattered positions) over one layer's
+// contiguous K/V, for x86 CPUs with AVX-512 BF16. Built on first use by cpu_kernels.py.
+//
+// Why: vLLM's CPU attention takes each run of consecutive selected positions as one request,
+// so an isolated query reads the layer's keys alone, about 1.5x a full prefill's cost per
+// query-key pair. Here queries are grouped in tiles of consecutive *selected* queries, whatever
+// the gaps between them: one tile's rows (queries x the query heads of one KV head) read each
+// key block once, with the two products in oneDNN's bf16 brgemm. The exact mask comes from
+// each row's own position (keys after it get -inf), so gaps cost nothing but the few keys
+// between a tile's first and last query.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t BLOCK_N = 256;  // keys per block
+
+// Rows 0..used-1 of k or v [T, Hkv, D] -> out[h][b]: one block of BLOCK_N keys of KV head h,
+// element (key j, dim d) at offset(j, d); rows past `used` are zeros. Both layouts are VNNI
+// (pairs of bf16 side by side along the product's reduction dim):
+//   keys   [D/2][BLOCK_N][2]: the first product reduces over dims;
+//   values [BLOCK_N/2][D][2]: the second one reduces over keys.
+template <typename Offset>
+void pack_blocks(const bf16* src, bf16* out, int64_t used, int64_t blocks, int64_t kv_heads,
+                 int64_t dim, Offset offset) {
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t h = job / blocks, b = job % blocks;
+      bf16* dst = out + job * dim * BLOCK_N;
+      for (int64_t j = 0; j < BLOCK_N; ++j) {
+        const int64_t t = b * BLOCK_N + j;
+        const bf16* row = src + (t * kv_heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[offset(j, d)] = t < used ? row[d] : bf16(0.f);
+      }
+    }
+  });
+}
+
+// Contiguous ranges of jobs, one per thread, of about equal cost (rows x keys read): the
+// late tiles read many more keys than the early ones.
+std::vector<int64_t> balanced_ranges(const std::vector<double>& cost, int64_t threads) {
+  const int64_t jobs = static_cast<int64_t>(cost.size());
+  double total = 0;
+  for (double c : cost) total += c;
+  std::vector<int64_t> bounds(threads + 1, jobs);
+  bounds[0] = 0;
+  double acc = 0;
+  int64_t next = 1;
+  for (int64_t j = 0; j < jobs && next < threads; ++j) {
+    acc += cost[j];
+    while (next < threads && acc >= total * next / threads) bounds[next++] = j + 1;
+  }
+  return bounds;
+}
+
+}  // namespace
+
+// q [N, Hq, D] bf16 at sorted positions [N] (int64); k, v [T, Hkv, D] bf16, row t = position t.
+// Returns [N, Hq, D] bf16: for each query, softmax(q k^T * scale) v over keys 0..its position
+// (grouped-query heads: query head i reads KV head i / (Hq / Hkv)). Softmax and accumulation
+// in fp32; the probabilities are rounded to bf16 for the second product, as vLLM's kernel does.
+torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::Tensor k,
+                              torch::Tensor v, double scale, int64_t tile_queries) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16,
+              "tiled_attention: q, k and v must be bfloat16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+              "tiled_attention: q [N, Hq, D], k and v [T, Hkv, D] expected");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "tiled_attention: contiguous tensors expected");
+  const int64_t num_q = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t num_keys = k.size(0), kv_heads = k.size(1);
+  TORCH_CHECK(k.size(2) == dim && dim % 32 == 0, "tiled_attention: head dim must be a multiple of 32");
+  TORCH_CHECK(heads % kv_heads == 0, "tiled_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == num_q, "tiled_attention: positions [N]");
+  auto out = torch::empty_like(q);
+  if (num_q == 0) return out;
+  auto pos_tensor = positions.to(at::kLong).contiguous();
+  const int64_t* pos = pos_tensor.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_q; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < num_keys, "tiled_attention: position ", pos[i],
+                " outside the ", num_keys, " keys");
+    TORCH_CHECK(i == 0 || pos[i] > pos[i - 1], "tiled_attention: positions must increase");
+  }
+  const int64_t group = heads / kv_heads;
+  const int64_t used = pos[num_q - 1] + 1;
+  const int64_t blocks = (used + BLOCK_N - 1) / BLOCK_N;
+  auto packed_k = torch::empty({kv_heads, blocks, dim * BLOCK_N}, k.options());
+  auto packed_v = torch::empty({kv_heads, blocks, dim * BLOCK_N}, v.options());
+  pack_blocks(k.data_ptr<bf16>(), packed_k.data_ptr<bf16>(), used, blocks, kv_heads, dim,
+              [](int64_t j, int64_t d) { return (d / 2) * BLOCK_N * 2 + j * 2 + d % 2; });
+  pack_blocks(v.data_ptr<bf16>(), packed_v.data_ptr<bf16>(), used, blocks, kv_heads, dim,
+              [dim](int64_t j, int64_t d) { return (j / 2) * dim * 2 + d * 2 + j % 2; });
+
+  const int64_t tile = std::max<int64_t>(1, tile_queries);
+  const int64_t tiles = (num_q + tile - 1) / tile;
+  std::vector<double> cost(tiles * kv_heads);
+  for (int64_t j = 0; j < tiles * kv_heads; ++j) {
+    const int64_t lo = (j / kv_heads) * tile, hi = std::min(num_q, lo + tile);
+    cost[j] = double(hi - lo) * double(pos[hi - 1] + 1 + BLOCK_N);
+  }
+  const int64_t threads = at::get_num_threads();
+  const std::vector<int64_t> bounds = balanced_ranges(cost, threads);
+
+  const bf16* q_data = q.data_ptr<bf16>();
+  bf16* out_data = out.data_ptr<bf16>();
+  const bf16* k_data = packed_k.data_ptr<bf16>();
+  const bf16* v_data = packed_v.data_ptr<bf16>();
+  const int64_t max_rows = tile * group;
+  const float sc = static_cast<float>(scale);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  constexpr int64_t W = Vec::size();
+
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+    std::vector<bf16> rows_q(max_rows * dim);
+    std::vector<float> scores(max_rows * BLOCK_N);
+    std::vector<bf16> probs(max_rows * BLOCK_N);
+    std::vector<float> acc(max_rows * dim);
+    std::vector<float> run_max(max_rows), run_sum(max_rows);
+    std::vector<int64_t> row_pos(max_rows);
+    float lanes[W];
+    for (int64_t th = first_thread; th < last_thread; ++th) {
+      for (int64_t job = bounds[th]; job < bounds[th + 1]; ++job) {
+        const int64_t h = job % kv_heads;
+        const int64_t lo = (job / kv_heads) * tile, hi = std::min(num_q, lo + tile);
+        const int64_t m = (hi - lo) * group;
+        // row (i - lo) * group + g: query i, query head h * group + g
+        for (int64_t i = lo; i < hi; ++i) {
+          const bf16* src = q_data + (i * heads + h * group) * dim;
+          std::copy(src, src + group * dim, rows_q.data() + (i - lo) * group * dim);
+          std::fill_n(row_pos.data() + (i - lo) * group, group, pos[i]);
+        }
+        std::fill_n(acc.data(), m * dim, 0.f);
+        std::fill_n(run_max.data(), m, ninf);
+        std::fill_n(run_sum.data(), m, 0.f);
+        const int64_t first_pos = pos[lo], last_pos = pos[hi - 1];
+        for (int64_t n0 = 0; n0 <= last_pos; n0 += BLOCK_N) {
+          const int64_t b = n0 / BLOCK_N;
+          at::native::cpublas::brgemm(m, BLOCK_N, dim, dim, BLOCK_N, BLOCK_N, false,
+                                      rows_q.data(), k_data + (h * blocks + b) * dim * BLOCK_N,
+                                      scores.data());
+          const bool masked = n0 + BLOCK_N - 1 > first_pos;
+          for (int64_t r = 0; r < m; ++r) {
+            float* row = scores.data() + r * BLOCK_N;
+            bf16* prob = probs.data() + r * BLOCK_N;
+            const int64_t visible =
+                masked ? std::clamp<int64_t>(row_pos[r] - n0 + 1, 0, BLOCK_N) : BLOCK_N;
+            if (visible == 0) {  // every key of the block is after this row's query
+              std::fill_n(prob, BLOCK_N, bf16(0.f));
+              continue;
+            }
+            std::fill(row + visible, row + BLOCK_N, ninf);
+            // online softmax: rescale what was summed so far to the new running maximum
+            Vec vmax(ninf);
+            for (int64_t c = 0; c < BLOCK_N; c += W) vmax = at::vec::maximum(vmax, Vec::loadu(row + c));
+            vmax.store(lanes);
+            const float block_max = *std::max_element(lanes, lanes + W) * sc;
+            const float new_max = std::max(run_max[r], block_max);
+            const float alpha = std::exp(run_max[r] - new_max);
+            const Vec vscale(sc), vshift(new_max);
+            Vec vsum(0.f);
+            for (int64_t c = 0; c < BLOCK_N; c += W) {
+              const Vec e = (Vec::loadu(row + c) * vscale - vshift).exp_u20();
+              vsum = vsum + e;
+              const __m256bh half = _mm512_cvtneps_pbh(__m512(e));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob + c),
+                                  reinterpret_cast<const __m256i&>(half));
+            }
+            vsum.store(lanes);
+            float block_sum = 0.f;
+            for (int64_t l = 0; l < W; ++l) block_sum += lanes[l];
+            run_sum[r] = run_sum[r] * alpha + block_sum;
+            run_max[r] = new_max;
+            if (alpha != 1.f) {
+              float* acc_row = acc.data() + r * dim;
+              const Vec valpha(alpha);
+              for (int64_t d = 0; d < dim; d += W) (Vec::loadu(acc_row + d) * valpha).store(acc_row + d);
+            }
+          }
+          at::native::cpublas::brgemm(m, dim, BLOCK_N, BLOCK_N, dim, dim, true, probs.data(),
+                                      v_data + (h * blocks + b) * dim * BLOCK_N, acc.data());
+        }
+        for (int64_t r = 0; r < m; ++r) {
+          const int64_t i = lo + r / group, g = r % group;
+          const float inv = 1.f / run_sum[r];
+          bf16* dst = out_data + (i * heads + h * group + g) * dim;
+          const float* acc_row = acc.data() + r * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = bf16(acc_row[d] * inv);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tiled_attention", &tiled_attention,
+        "exact causal attention of queries at sorted positions over contiguous bf16 K/V");
+}

@@ -1,0 +1,169 @@
+"""The blend's tiled CPU attention kernel (``lmcache_backend/ops/cpu_tiled_attention.cpp``)
+against the torch reference, and how the connector picks it (``selected_attention``).
+
+The kernel runs only on x86-64 with AVX-512 BF16; elsewhere its numeric tests are skipped with
+the reason and the connector keeps vLLM's attention (tested here with the loader failing).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lmcache_backend.config import ConfigError
+from lmcache_backend.ops import cpu_kernels
+from lmcache_backend.ops.reference import attention_at_positions
+
+REASON = cpu_kernels.unsupported_reason()
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"tiled attention: {REASON}")
+
+#: bf16 inputs, fp32 softmax and accumulation, probabilities and output rounded to bf16: the
+#: output is within a few bf16 ulps of the fp32 reference of the same bf16 inputs (measured
+#: at most 0.008 for outputs of magnitude ~1)
+ATOL = RTOL = 2e-2
+
+
+def _inputs(num_keys: int, positions: list[int], heads: int = 9, kv_heads: int = 3, dim: int = 64):
+    g = torch.Generator().manual_seed(num_keys + len(positions))
+    q = torch.randn(len(positions), heads, dim, generator=g).to(torch.bfloat16)
+    # keys spread like a real layer's: some keys dominate a query's softmax
+    k = (3 * torch.randn(num_keys, kv_heads, dim, generator=g)).to(torch.bfloat16)
+    v = torch.randn(num_keys, kv_heads, dim, generator=g).to(torch.bfloat16)
+    return q, torch.tensor(positions), k, v
+
+
+def _reference(q, positions, k, v, scale):
+    return attention_at_positions(q.float(), k.float(), v.float(), positions, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "num_keys, positions",
+    [
+        (1, [0]),  # one key
+        (700, [0, 1, 2, 255, 256, 257, 511, 699]),  # block edges, T not a block multiple
+        (300, list(range(0, 300, 3))),  # 100 queries: several tiles, each spanning gaps
+        (1100, sorted({(i * 37) % 1100 for i in range(160)})),  # scattered, as a selection
+        (640, list(range(600, 640))),  # one run of consecutive queries at the end
+    ],
+)
+def test_tiled_attention_matches_the_reference(num_keys, positions) -> None:
+    kernel = cpu_kernels.load_tiled_attention()
+    q, pos, k, v = _inputs(num_keys, positions)
+    out = kernel(q, pos, k, v, 0.125)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    torch.testing.assert_close(out.float(), _reference(q, pos, k, v, 0.125), atol=ATOL, rtol=RTOL)
+
+
+@needs_kernel
+def test_tiled_attention_other_geometries() -> None:
+    """Multi-head (no grouping) with head dim 128, and one KV head for 8 query heads."""
+    kernel = cpu_kernels.load_tiled_attention()
+    for heads, kv_heads, dim in ((4, 4, 128), (8, 1, 32)):
+        q, pos, k, v = _inputs(520, [3, 64, 65, 300, 519], heads, kv_heads, dim)
+        out = kernel(q, pos, k, v, dim**-0.5)
+        expected = _reference(q, pos, k, v, dim**-0.5)
+        torch.testing.assert_close(out.float(), expected, atol=ATOL, rtol=RTOL)
+
+
+@needs_kernel
+def test_tiled_attention_never_reads_a_later_key() -> None:
+    """The mask is exact: keys and values after a query's position, changed, leave its
+    output bit for bit the same, even where its tile holds later queries."""
+    kernel = cpu_kernels.load_tiled_attention()
+    positions = [5, 40, 41, 300, 301, 610]
+    q, pos, k, v = _inputs(700, positions)
+    before = kernel(q, pos, k, v, 0.125)
+    k2, v2 = k.clone(), v.clone()
+    k2[302:] = 50.0  # after every query but the last: it would dominate any softmax it entered
+    v2[302:] = -7.0
+    after = kernel(q, pos, k2, v2, 0.125)
+    assert torch.equal(after[:5], before[:5])
+    assert not torch.equal(after[5], before[5])  # the last query does read them
+
+
+@needs_kernel
+def test_tiled_attention_rejects_bad_positions() -> None:
+    kernel = cpu_kernels.load_tiled_attention()
+    q, _, k, v = _inputs(10, [1, 2])
+    with pytest.raises(RuntimeError, match="position 10 outside the 10 keys"):
+        kernel(q, torch.tensor([1, 10]), k, v, 0.125)
+    with pytest.raises(RuntimeError, match="positions must increase"):
+        kernel(q, torch.tensor([2, 2]), k, v, 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(q.float(), torch.tensor([1, 2]), k, v, 0.125)
+
+
+def test_unsupported_cpu_gets_a_reason(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx512f", "avx2"})
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    reason = cpu_kernels.unsupported_reason()
+    assert reason is not None and "avx512bw" in reason and "avx512_bf16" in reason
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
+    assert "x86-64" in cpu_kernels.unsupported_reason()
+
+
+def _worker(choice: str, dtype=torch.bfloat16, head_dim: int = 64, model_dtype=torch.bfloat16):
+    """What ``WorkerSide._choose_tiled_attention`` reads: the settings and the KV caches."""
+    return SimpleNamespace(
+        settings=SimpleNamespace(selected_attention=choice),
+        caches=[torch.zeros(1, 1, 16, 128, dtype=dtype)],
+        model=SimpleNamespace(head_dim=head_dim, dtype=model_dtype),
+    )
+
+
+def test_selected_attention_choice(monkeypatch, caplog) -> None:
+    """``auto`` falls back to vLLM's attention with a warning saying why; ``tiled`` stops the
+    engine with an error naming the key; ``vllm`` never loads the kernel."""
+    pytest.importorskip("vllm")
+    from lmcache_backend.integration.vllm import worker as worker_module
+
+    pick = worker_module.WorkerSide._choose_tiled_attention
+
+    def unavailable():
+        raise cpu_kernels.KernelUnavailable("tiled attention needs the CPU flags avx512_bf16")
+
+    monkeypatch.setattr(worker_module, "load_tiled_attention", unavailable)
+    with caplog.at_level(logging.WARNING):
+        assert pick(_worker("auto")) is None
+    assert "selected_attention=auto" in caplog.text and "avx512_bf16" in caplog.text
+    with pytest.raises(ConfigError, match="selected_attention='tiled'.*avx512_bf16"):
+        pick(_worker("tiled"))
+    with pytest.raises(ConfigError, match="bf16 KV cache"):
+        pick(_worker("tiled", torch.float32))
+    with pytest.raises(ConfigError, match="bf16 model, this one is torch.float16"):
+        pick(_worker("tiled", model_dtype=torch.float16))
+    with pytest.raises(ConfigError, match="head dim multiple of 32, not 80"):
+        pick(_worker("tiled", head_dim=80))
+    assert pick(_worker("vllm")) is None
+    sentinel = object()
+    monkeypatch.setattr(worker_module, "load_tiled_attention", lambda: sentinel)
+    assert pick(_worker("auto")) is sentinel
+    assert pick(_worker("vllm")) is None
+
+
+@pytest.mark.parametrize("choice, builds", [("auto", 1), ("tiled", 1), ("vllm", 0)])
+def test_kernel_is_built_when_the_caches_are_registered(monkeypatch, choice, builds) -> None:
+    """The kernel is built at engine start, not in the first blended request's TTFT; a kernel
+    that cannot run does not stop the start there (``_choose_tiled_attention`` decides later)."""
+    pytest.importorskip("vllm")
+    from lmcache_backend.integration.vllm import worker as worker_module
+
+    calls = []
+
+    def unavailable():
+        calls.append(1)
+        raise cpu_kernels.KernelUnavailable("tiled attention needs the CPU flags avx512_bf16")
+
+    monkeypatch.setattr(worker_module, "load_tiled_attention", unavailable)
+    side = SimpleNamespace(
+        settings=SimpleNamespace(selected_attention=choice),
+        profile=SimpleNamespace(kv_transfer_after_model_load=False),
+    )
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(1) for i in (1, 0)}
+    worker_module.WorkerSide.register_kv_caches(side, caches)
+    assert len(calls) == builds
+    assert side.layer_names == ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
