@@ -336,6 +336,7 @@ def _clients(server, rag, example, max_tokens: int) -> dict:
     ]
     missing_own = [(i, kind, text) for (i, kind), text in answers.items() if CODES[i] not in text]
     return {
+        "rounds": 1,
         "requests": 3 * 8,
         "answers": len(answers),
         "errors": errors,
@@ -348,9 +349,28 @@ def _clients(server, rag, example, max_tokens: int) -> dict:
     }
 
 
+def _clients_until_preempted(server, rag, example, max_tokens: int, rounds: int = 3) -> dict:
+    """Runs ``_clients`` until vLLM has preempted a request, at most ``rounds`` times, and adds the
+    rounds' numbers up. Whether the running requests outgrow the KV cache depends on how the
+    clients' requests happen to overlap, which the speed of each step changes; every round's
+    answers are checked all the same."""
+    total: dict = {}
+    for _ in range(rounds):
+        run = _clients(server, rag, example, max_tokens)
+        for key, value in run.items():
+            if key == "alive":
+                total[key] = total.get(key, True) and value
+            else:
+                total[key] = total[key] + value if key in total else value
+        if total["preemptions"] >= 1 or not run["alive"]:
+            break
+    return total
+
+
 def _report(name: str, run: dict) -> None:
     print(
-        f"\n{name}: {run['requests']} requests from 8 threads, {run['answers']} answers checked, "
+        f"\n{name}: {run['rounds']} round(s), {run['requests']} requests from 8 threads, "
+        f"{run['answers']} answers checked, "
         f"{len(run['mixed'])} mixed up, {len(run['missing_own'])} without their own number, "
         f"{run['blended']} blended, {run['preemptions']:.0f} preemptions, {run['seconds']:.1f} s"
     )
@@ -359,10 +379,10 @@ def _report(name: str, run: dict) -> None:
 def _check(run: dict) -> None:
     assert run["alive"], "a client thread did not finish in time"
     assert not run["errors"], run["errors"]
-    assert run["answers"] == 16, "every client gets both its answers"
+    assert run["answers"] == 16 * run["rounds"], "every client gets both its answers"
     assert not run["mixed"], f"answers holding another request's number: {run['mixed']}"
     # the 135M model answers these from its own documents (16 of 16 in runs with whole answers)
-    assert len(run["missing_own"]) <= 2, run["missing_own"]
+    assert len(run["missing_own"]) <= 2 * run["rounds"], run["missing_own"]
     assert run["blended"] >= 6, "the reordered requests are blended"
 
 
@@ -371,7 +391,7 @@ def concurrent_run(server, rag, example) -> dict:
     """One run of 8 concurrent clients (24 requests) whose answers, 40 tokens each, do not all fit
     in the KV cache with the prompts (8 x ~640 tokens against 2,560): vLLM preempts running
     requests and resumes them later, and resumed blended requests are blended again."""
-    run = _clients(server, rag, example, max_tokens=40)
+    run = _clients_until_preempted(server, rag, example, max_tokens=40)
     _report("8 concurrent clients", run)
     return run
 
@@ -382,7 +402,8 @@ def test_concurrent_clients_get_their_own_answers(concurrent_run) -> None:
 
 def test_preemption_loses_no_request_and_mixes_up_none(server, concurrent_run) -> None:
     assert concurrent_run["preemptions"] >= 1, "the KV cache was meant to be too small"
-    assert concurrent_run["answers"] == 16 and not concurrent_run["mixed"]
+    assert concurrent_run["answers"] == 16 * concurrent_run["rounds"]
+    assert not concurrent_run["mixed"]
     assert server.alive()
 
 
