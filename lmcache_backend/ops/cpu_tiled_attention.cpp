@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -25,22 +26,51 @@ using bf16 = at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t BLOCK_N = 256;  // keys per block
 
-// Rows 0..used-1 of k or v [T, Hkv, D] -> out[h][b]: one block of BLOCK_N keys of KV head h,
-// element (key j, dim d) at offset(j, d); rows past `used` are zeros. Both layouts are VNNI
-// (pairs of bf16 side by side along the product's reduction dim):
-//   keys   [D/2][BLOCK_N][2]: the first product reduces over dims;
-//   values [BLOCK_N/2][D][2]: the second one reduces over keys.
-template <typename Offset>
-void pack_blocks(const bf16* src, bf16* out, int64_t used, int64_t blocks, int64_t kv_heads,
-                 int64_t dim, Offset offset) {
+// bf16 pairs moved as one 32-bit word; may_alias: they are read from and written to bf16 storage
+typedef uint32_t __attribute__((__may_alias__)) pair_t;
+typedef uint16_t __attribute__((__may_alias__)) half_t;
+
+// Rows 0..used-1 of k [T, Hkv, D] -> out[h][b]: one block of BLOCK_N keys of KV head h in VNNI
+// layout [D/2][BLOCK_N][2] (pairs of dims side by side: the first product reduces over dims),
+// that is a transpose of the block's [BLOCK_N][D/2] dim pairs; rows past `used` are zeros.
+void pack_keys(const bf16* k, bf16* out, int64_t used, int64_t blocks, int64_t kv_heads,
+               int64_t dim) {
+  const int64_t pairs = dim / 2;
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const int64_t h = job / blocks, b = job % blocks;
-      bf16* dst = out + job * dim * BLOCK_N;
+      pair_t* dst = reinterpret_cast<pair_t*>(out + job * dim * BLOCK_N);
       for (int64_t j = 0; j < BLOCK_N; ++j) {
         const int64_t t = b * BLOCK_N + j;
-        const bf16* row = src + (t * kv_heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[offset(j, d)] = t < used ? row[d] : bf16(0.f);
+        if (t < used) {
+          const pair_t* row = reinterpret_cast<const pair_t*>(k + (t * kv_heads + h) * dim);
+          for (int64_t i = 0; i < pairs; ++i) dst[i * BLOCK_N + j] = row[i];
+        } else {
+          for (int64_t i = 0; i < pairs; ++i) dst[i * BLOCK_N + j] = 0;
+        }
+      }
+    }
+  });
+}
+
+// Rows 0..used-1 of v [T, Hkv, D] -> out[h][b] in VNNI layout [BLOCK_N/2][D][2] (pairs of
+// keys side by side: the second product reduces over keys), an interleave of row pairs.
+void pack_values(const bf16* v, bf16* out, int64_t used, int64_t blocks, int64_t kv_heads,
+                 int64_t dim) {
+  const std::vector<uint16_t> zeros(dim, 0);
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t h = job / blocks, b = job % blocks;
+      pair_t* dst = reinterpret_cast<pair_t*>(out + job * dim * BLOCK_N);
+      auto row = [&](int64_t t) -> const half_t* {
+        return t < used ? reinterpret_cast<const half_t*>(v + (t * kv_heads + h) * dim)
+                        : zeros.data();
+      };
+      for (int64_t p = 0; p < BLOCK_N / 2; ++p) {
+        const half_t* even = row(b * BLOCK_N + 2 * p);
+        const half_t* odd = row(b * BLOCK_N + 2 * p + 1);
+        pair_t* pair_row = dst + p * dim;
+        for (int64_t d = 0; d < dim; ++d) pair_row[d] = uint32_t(even[d]) | (uint32_t(odd[d]) << 16);
       }
     }
   });
@@ -97,13 +127,14 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
   const int64_t blocks = (used + BLOCK_N - 1) / BLOCK_N;
   auto packed_k = torch::empty({kv_heads, blocks, dim * BLOCK_N}, k.options());
   auto packed_v = torch::empty({kv_heads, blocks, dim * BLOCK_N}, v.options());
-  pack_blocks(k.data_ptr<bf16>(), packed_k.data_ptr<bf16>(), used, blocks, kv_heads, dim,
-              [](int64_t j, int64_t d) { return (d / 2) * BLOCK_N * 2 + j * 2 + d % 2; });
-  pack_blocks(v.data_ptr<bf16>(), packed_v.data_ptr<bf16>(), used, blocks, kv_heads, dim,
-              [dim](int64_t j, int64_t d) { return (j / 2) * dim * 2 + d * 2 + j % 2; });
+  pack_keys(k.data_ptr<bf16>(), packed_k.data_ptr<bf16>(), used, blocks, kv_heads, dim);
+  pack_values(v.data_ptr<bf16>(), packed_v.data_ptr<bf16>(), used, blocks, kv_heads, dim);
 
-  const int64_t tile = std::max<int64_t>(1, tile_queries);
-  const int64_t tiles = (num_q + tile - 1) / tile;
+  // tiles of at most tile_queries queries, all about the same size: a short last tile leaves
+  // a thread idle when there are few tiles (20 queries would make tiles of 16 and 4)
+  const int64_t most = std::max<int64_t>(1, tile_queries);
+  const int64_t tiles = (num_q + most - 1) / most;
+  const int64_t tile = (num_q + tiles - 1) / tiles;
   std::vector<double> cost(tiles * kv_heads);
   for (int64_t j = 0; j < tiles * kv_heads; ++j) {
     const int64_t lo = (j / kv_heads) * tile, hi = std::min(num_q, lo + tile);
