@@ -23,7 +23,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_tiled_attention.cpp")
-#: selected queries per tile: rows of one product are ``TILE_QUERIES x (Hq / Hkv)``
+#: most selected queries per tile (the kernel cuts them into tiles of equal size): rows of
+#: one product are at most ``TILE_QUERIES x (Hq / Hkv)``
 TILE_QUERIES = 16
 #: the CPU flags the kernel is compiled for (``-march=native`` must include them)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
