@@ -300,7 +300,7 @@ class EngineForward:
         )
         last = len(self.layer_names) - 1
         tiled = self.tiled_attention is not None and kv is not None
-        rows = positions.to(torch.int64).cpu()
+        rows = positions.to(torch.int64).cpu() if tiled else None
 
         def stand_in(index: int, backend: Any) -> Any:
             if index == last:
