@@ -25,6 +25,9 @@ namespace {
 using bf16 = at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t BLOCK_N = 256;  // keys per block
+// A tile's last block is cut to the keys up to its last query, rounded up to this: a full
+// block would compute and mask up to 255 keys more for every row (~20% of the work at 1k keys).
+constexpr int64_t KEY_STEP = 32;
 
 // bf16 pairs moved as one 32-bit word; may_alias: they are read from and written to bf16 storage
 typedef uint32_t __attribute__((__may_alias__)) pair_t;
@@ -138,7 +141,7 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
   std::vector<double> cost(tiles * kv_heads);
   for (int64_t j = 0; j < tiles * kv_heads; ++j) {
     const int64_t lo = (j / kv_heads) * tile, hi = std::min(num_q, lo + tile);
-    cost[j] = double(hi - lo) * double(pos[hi - 1] + 1 + BLOCK_N);
+    cost[j] = double(hi - lo) * double(pos[hi - 1] + 1 + KEY_STEP);
   }
   const int64_t threads = at::get_num_threads();
   const std::vector<int64_t> bounds = balanced_ranges(cost, threads);
@@ -151,6 +154,7 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
   const float sc = static_cast<float>(scale);
   const float ninf = -std::numeric_limits<float>::infinity();
   constexpr int64_t W = Vec::size();
+  static_assert(KEY_STEP % W == 0, "a cut block must be whole vectors");
 
   at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
     std::vector<bf16> rows_q(max_rows * dim);
@@ -177,30 +181,33 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
         const int64_t first_pos = pos[lo], last_pos = pos[hi - 1];
         for (int64_t n0 = 0; n0 <= last_pos; n0 += BLOCK_N) {
           const int64_t b = n0 / BLOCK_N;
-          at::native::cpublas::brgemm(m, BLOCK_N, dim, dim, BLOCK_N, BLOCK_N, false,
+          // keys n0..n0+width-1 of this block: all of it, or up to the tile's last query
+          const int64_t width =
+              std::min(BLOCK_N, (last_pos - n0 + 1 + KEY_STEP - 1) / KEY_STEP * KEY_STEP);
+          at::native::cpublas::brgemm(m, width, dim, dim, BLOCK_N, BLOCK_N, false,
                                       rows_q.data(), k_data + (h * blocks + b) * dim * BLOCK_N,
                                       scores.data());
-          const bool masked = n0 + BLOCK_N - 1 > first_pos;
+          const bool masked = n0 + width - 1 > first_pos;
           for (int64_t r = 0; r < m; ++r) {
             float* row = scores.data() + r * BLOCK_N;
             bf16* prob = probs.data() + r * BLOCK_N;
             const int64_t visible =
-                masked ? std::clamp<int64_t>(row_pos[r] - n0 + 1, 0, BLOCK_N) : BLOCK_N;
+                masked ? std::clamp<int64_t>(row_pos[r] - n0 + 1, 0, width) : width;
             if (visible == 0) {  // every key of the block is after this row's query
-              std::fill_n(prob, BLOCK_N, bf16(0.f));
+              std::fill_n(prob, width, bf16(0.f));
               continue;
             }
-            std::fill(row + visible, row + BLOCK_N, ninf);
+            std::fill(row + visible, row + width, ninf);
             // online softmax: rescale what was summed so far to the new running maximum
             Vec vmax(ninf);
-            for (int64_t c = 0; c < BLOCK_N; c += W) vmax = at::vec::maximum(vmax, Vec::loadu(row + c));
+            for (int64_t c = 0; c < width; c += W) vmax = at::vec::maximum(vmax, Vec::loadu(row + c));
             vmax.store(lanes);
             const float block_max = *std::max_element(lanes, lanes + W) * sc;
             const float new_max = std::max(run_max[r], block_max);
             const float alpha = std::exp(run_max[r] - new_max);
             const Vec vscale(sc), vshift(new_max);
             Vec vsum(0.f);
-            for (int64_t c = 0; c < BLOCK_N; c += W) {
+            for (int64_t c = 0; c < width; c += W) {
               const Vec e = (Vec::loadu(row + c) * vscale - vshift).exp_u20();
               vsum = vsum + e;
               const __m256bh half = _mm512_cvtneps_pbh(__m512(e));
@@ -218,7 +225,7 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
               for (int64_t d = 0; d < dim; d += W) (Vec::loadu(acc_row + d) * valpha).store(acc_row + d);
             }
           }
-          at::native::cpublas::brgemm(m, dim, BLOCK_N, BLOCK_N, dim, dim, true, probs.data(),
+          at::native::cpublas::brgemm(m, dim, width, BLOCK_N, dim, dim, true, probs.data(),
                                       v_data + (h * blocks + b) * dim * BLOCK_N, acc.data());
         }
         for (int64_t r = 0; r < m; ++r) {

@@ -86,6 +86,20 @@ class _PreviewAttention:
         return output
 
 
+class _PreviewMassTaken(Exception):
+    """Ends a preview pass once its last layer's attention (and mass) is computed."""
+
+
+class _LastPreviewLayer(_PreviewAttention):
+    """Stands in for the last layer's attention backend in a preview pass: ``attend`` sums the
+    layer's attention mass, then the pass ends. Nothing reads what follows (that layer's o_proj
+    and MLP, the final norm): the preview keeps only the mass."""
+
+    def forward(self, layer: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> NoReturn:
+        super().forward(layer, query, *args, **kwargs)
+        raise _PreviewMassTaken
+
+
 class _LastLayerWritten(Exception):
     """Ends a selected tokens' pass once its last layer's K/V are in the paged cache."""
 
@@ -199,15 +213,25 @@ class EngineForward:
 
     def preview(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> bool:
         """Tokens ``token_ids [N]`` at sorted ``positions [N]`` through every layer, each layer's
-        attention given by ``attend``; their K/V are written nowhere. Returns False (nothing run)
+        attention given by ``attend`` (the pass ends with the last layer's: only the mass that
+        ``attend`` sums is kept); their K/V are written nowhere. Returns False (nothing run)
         when ``N`` exceeds one pass: a preview is not chunked, since ``attend`` sees a layer's
         queries all at once (the caller previews on its own path)."""
         n = int(positions.numel())
         if n == 0 or n > self.max_tokens:
             return False
-        with self._backends_replaced(lambda index, _: _PreviewAttention(index, attend)):
-            # no slot mapping: vLLM's cache update skips every layer
-            self._run_model(token_ids, positions, _PreviewMetadata(n), {})
+        last = len(self.layer_names) - 1
+
+        def stand_in(index: int, _: Any) -> _PreviewAttention:
+            kind = _LastPreviewLayer if index == last else _PreviewAttention
+            return kind(index, attend)
+
+        with self._backends_replaced(stand_in):
+            try:
+                # no slot mapping: vLLM's cache update skips every layer
+                self._run_model(token_ids, positions, _PreviewMetadata(n), {})
+            except _PreviewMassTaken:
+                pass
         return True
 
     def _run_model(
