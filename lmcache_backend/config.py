@@ -215,7 +215,7 @@ class BlendConfig:
     # than their preview score says (docs/quality.md, "Position discount").
     blend_position_discount: float = 10.0
     # Consecutive selected tokens are cheaper to attend for (one run of queries reads the keys
-    # once): docs/vllm.md, "Spans".
+    # once): docs/measurements/spans.md.
     blend_selection_span: int = 1
     blend_min_tokens: int = 256
     backend: str = "auto"

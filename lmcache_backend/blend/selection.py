@@ -40,7 +40,7 @@ answers closer to full prefill (docs/quality.md, "Position discount").
 With ``blend_selection_span`` ``s > 1`` the preview selections rank aligned spans of ``s``
 tokens by their summed score and recompute the best spans whole (:func:`span_ranked`): the same
 number of tokens in runs, which vLLM's CPU attention computes for less per pair, at a measured
-cost in answers (docs/vllm.md and docs/quality.md, "Spans"; the default is 1).
+cost in answers (docs/measurements/spans.md; the default is 1).
 
 Scores are per token ``[N]`` fp32; with tensor parallelism each rank sees only its heads, so the
 blender sums scores over ranks (``score_reducer``) before choosing, and every rank keeps the same
@@ -251,7 +251,7 @@ def span_ranked(scores: torch.Tensor, candidates: torch.Tensor, span: int) -> to
     whole and only the last one in part, by its tokens' own scores.
 
     Why: a query run of ``span`` consecutive positions costs vLLM's CPU attention about what a
-    full prefill pays per query-key pair, an isolated query 1.5x that (docs/vllm.md).
+    full prefill pays per query-key pair, an isolated query 1.5x that (docs/measurements/spans.md).
     """
     num = scores.numel()
     own = torch.where(candidates, scores, torch.zeros_like(scores)).double().clamp_min(0.0)
