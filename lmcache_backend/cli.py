@@ -27,7 +27,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _model_path(args: argparse.Namespace) -> int:
-    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import embedded_model_path
 
     print(embedded_model_path())
     return 0
@@ -47,7 +47,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from lmcache_backend import verify
+    from lmcache_backend.commands import verify
 
     return verify.main(args)
 
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="versions, matrix row, backend and hooks in use")
     p.set_defaults(func=_doctor)
 
-    from lmcache_backend import verify
+    from lmcache_backend.commands import verify
 
     p = sub.add_parser("verify", help="check that blending is exact on a model (pass/fail)")
     verify.add_arguments(p)

@@ -243,8 +243,8 @@ def check_paged(
 
 
 def test_get_ops_ascend_names_what_is_missing() -> None:
-    from lmcache_backend.device import npu_unavailable_reason
     from lmcache_backend.ops import BackendUnavailable, get_ops
+    from lmcache_backend.ops.device import npu_unavailable_reason
 
     reason = npu_unavailable_reason()
     if reason is None:
@@ -257,8 +257,7 @@ def test_get_ops_ascend_names_what_is_missing() -> None:
 
 
 def test_load_raises_with_the_device_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmcache_backend import device
-    from lmcache_backend.ops import BackendUnavailable
+    from lmcache_backend.ops import BackendUnavailable, device
 
     backend = import_ascend_backend()
     monkeypatch.setattr(device, "npu_unavailable_reason", lambda: "no NPU visible (test)")
@@ -267,8 +266,7 @@ def test_load_raises_with_the_device_reason(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_load_returns_every_op_when_a_device_is_usable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmcache_backend import device
-    from lmcache_backend.ops import OP_NAMES
+    from lmcache_backend.ops import OP_NAMES, device
 
     backend = import_ascend_backend()
     monkeypatch.setattr(device, "npu_unavailable_reason", lambda: None)

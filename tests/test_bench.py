@@ -30,7 +30,7 @@ from lmcache_backend.bench.report import format_table, summarize
 from lmcache_backend.bench.runner import CaseResult, StrategyOutcome, SweepPoint
 from lmcache_backend.bench.strategies import build_strategies, parse_schedule
 from lmcache_backend.blend.segmenting import Segment
-from lmcache_backend.examples import DatasetError, RagExample
+from lmcache_backend.data.examples import DatasetError, RagExample
 
 GOOD = {"id": "a", "system": "s", "chunks": ["c1", "c2"], "question": "q?", "answers": ["x"]}
 

@@ -10,7 +10,7 @@ import pytest
 
 from lmcache_backend.bench.cli import add_arguments, run
 from lmcache_backend.config import load_config
-from lmcache_backend.examples import builtin_examples
+from lmcache_backend.data.examples import builtin_examples
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def result(tmp_path_factory):
     pytest.importorskip("transformers")
     try:
-        from lmcache_backend.embedded import embedded_gguf_path
+        from lmcache_backend.data.embedded import embedded_gguf_path
 
         embedded_gguf_path()
     except FileNotFoundError as exc:

@@ -13,7 +13,7 @@ import torch
 
 from lmcache_backend.blend import LMCBlender, LMCBlenderBuilder, SegmentCache
 from lmcache_backend.config import SELECTION_CHOICES, load_config
-from lmcache_backend.hf_engine import hf_full_prefill, kv_to_dynamic_cache
+from lmcache_backend.integration.hf.engine import hf_full_prefill, kv_to_dynamic_cache
 from lmcache_backend.models.hf import HFModelAdapter
 from lmcache_backend.ops import get_ops
 from lmcache_backend.storage import MemoryTier
@@ -560,7 +560,7 @@ def test_retriever_stacks_every_layers_hits_with_zero_rows_between() -> None:
     """``stacked``: each hit's rows of every layer in place, rows no hit covers zero (the
     uninitialised buffer must not leak into them), and the same rows as ``result(layer)``."""
     from lmcache_backend.blend.retriever import SPTBlendRetrieverTask
-    from lmcache_backend.store import SegmentKV
+    from lmcache_backend.storage.segments import SegmentKV
 
     g = torch.Generator().manual_seed(1)
 

@@ -15,7 +15,7 @@ from test_blender import C1, C2, C3, Q1, Q2, SEP, SYS, _prompt, _tiny_model
 from lmcache_backend import ops as ops_registry
 from lmcache_backend.blend import LMCBlender, SegmentCache
 from lmcache_backend.config import load_config
-from lmcache_backend.hf_engine import hf_full_prefill
+from lmcache_backend.integration.hf.engine import hf_full_prefill
 from lmcache_backend.models.hf import HFModelAdapter
 from lmcache_backend.ops import OP_NAMES, Ops, get_ops
 from lmcache_backend.storage import MemoryTier

@@ -27,7 +27,7 @@ def _vllm_config(path: str, extra: dict, num_layers: int = 30):
 
 @pytest.fixture(scope="module")
 def smol():
-    from lmcache_backend.embedded import load_embedded_model
+    from lmcache_backend.data.embedded import load_embedded_model
 
     torch.set_num_threads(2)
     return load_embedded_model()
@@ -40,9 +40,9 @@ def _chat_ids(tok, messages):
 
 @pytest.mark.parametrize("sep", [" # # ", ""], ids=["separator", "separator-free"])
 def test_scheduler_and_hf_engine_share_the_split(smol, sep, tmp_path, monkeypatch) -> None:
-    from lmcache_backend.embedded import embedded_model_path
-    from lmcache_backend.examples import builtin_examples
-    from lmcache_backend.hf_engine import HFBlendEngine
+    from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.data.examples import builtin_examples
+    from lmcache_backend.integration.hf.engine import HFBlendEngine
     from lmcache_backend.integration.vllm.scheduler import SchedulerSide
     from lmcache_backend.integration.vllm.settings import load_settings
     from lmcache_backend.storage.index import FileSegmentIndex
@@ -101,7 +101,7 @@ def test_scheduler_and_hf_engine_share_the_split(smol, sep, tmp_path, monkeypatc
 
 
 def test_bad_block_size_fails_connector_start(tmp_path) -> None:
-    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.integration.vllm.settings import load_settings
 
     config = _vllm_config(str(embedded_model_path()), {"blend_block_size": 0})
@@ -112,7 +112,7 @@ def test_bad_block_size_fails_connector_start(tmp_path) -> None:
 def test_lora_with_blending_fails_connector_start() -> None:
     """Cached K/V carry no adapter identity: an engine with LoRA and blending on is refused at
     start-up, naming both settings; with blending off the connector starts."""
-    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.integration.vllm.settings import load_settings
 
     try:

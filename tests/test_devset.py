@@ -6,7 +6,7 @@ import pytest
 
 from lmcache_backend.bench.dataset import load_dataset
 from lmcache_backend.bench.devset import DEVSET_PATH, calibrate, candidates, gold_chunk
-from lmcache_backend.examples import builtin_examples
+from lmcache_backend.data.examples import builtin_examples
 
 
 def test_shipped_devset_has_enough_distinct_examples() -> None:

@@ -63,7 +63,7 @@ def test_empty_separator_rejected() -> None:
 def tokenizers():
     from transformers import AutoTokenizer
 
-    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import embedded_model_path
 
     path = embedded_model_path()
     return AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(
@@ -179,7 +179,8 @@ def _chat_text_ids(tok, system, chunks, question):
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
 def test_text_prompt_and_built_prompt_share_segment_keys(any_tokenizer, chat) -> None:
-    from lmcache_backend.store import ModelFingerprint, segment_key
+    from lmcache_backend.models.fingerprint import ModelFingerprint
+    from lmcache_backend.storage.segments import segment_key
 
     fp = ModelFingerprint("TestLM", 2, 4, 2, 8, "theta=10000.0,neox=True", "float32", "w0")
     tok = any_tokenizer

@@ -21,7 +21,7 @@ from lmcache_backend.blend.selection import (
     value_norms,
 )
 from lmcache_backend.config import SELECTION_CHOICES, ConfigError, load_config
-from lmcache_backend.hf_engine import hf_full_prefill
+from lmcache_backend.integration.hf.engine import hf_full_prefill
 
 
 def _inputs(query_attention=None) -> CheckInputs:

@@ -8,7 +8,7 @@ import torch
 from lmcache_backend.blend import LMCBlender, SegmentCache
 from lmcache_backend.blend.segmenting import BlockPattern, Segment, segment_pattern
 from lmcache_backend.config import ConfigError, load_config
-from lmcache_backend.hf_engine import hf_full_prefill
+from lmcache_backend.integration.hf.engine import hf_full_prefill
 from lmcache_backend.models.hf import HFModelAdapter
 from lmcache_backend.ops import get_ops
 from lmcache_backend.storage import MemoryTier
@@ -93,7 +93,7 @@ def test_query_tail_never_matched() -> None:
 def test_turn_start_from_chat_templates() -> None:
     from transformers import AutoTokenizer
 
-    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import embedded_model_path
 
     tok = AutoTokenizer.from_pretrained(embedded_model_path())
     pattern = segment_pattern(tok, "", 16)

@@ -28,7 +28,7 @@ def _vllm_config(path: str, extra: dict):
 
 @pytest.fixture
 def settings_for(tmp_path, monkeypatch):
-    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.integration.vllm.settings import load_settings
 
     for name in list(os.environ):
@@ -77,7 +77,7 @@ def test_blend_layers_per_step_defaults_to_synchronous(settings_for) -> None:
 
 def _scheduler(settings):
     from lmcache_backend.integration.vllm.scheduler import SchedulerSide
-    from lmcache_backend.store import ModelFingerprint
+    from lmcache_backend.models.fingerprint import ModelFingerprint
 
     fingerprint = ModelFingerprint("Llama", 30, 2, 2, 64, "rope", "float32", "w")
     scheduler = SchedulerSide(settings, fingerprint, profile=None)

@@ -10,16 +10,16 @@ import torch
 
 from lmcache_backend.blend.segmenting import build_blend_prompt
 from lmcache_backend.config import load_config
-from lmcache_backend.examples import builtin_examples, reordered
-from lmcache_backend.store import SegmentKV
+from lmcache_backend.data.examples import builtin_examples, reordered
+from lmcache_backend.storage.segments import SegmentKV
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from lmcache_backend.embedded import load_embedded_model
-    from lmcache_backend.hf_engine import HFBlendEngine
+    from lmcache_backend.data.embedded import load_embedded_model
+    from lmcache_backend.integration.hf.engine import HFBlendEngine
 
     torch.set_num_threads(2)
     model, tokenizer = load_embedded_model()
@@ -150,7 +150,7 @@ def test_demo_prints_table_and_json(tmp_path) -> None:
 def test_separator_free_chat_messages(engine) -> None:
     """No separator: each document its own chat message; the documents reordered are found at
     their new offsets, the question message is computed."""
-    from lmcache_backend.hf_engine import HFBlendEngine
+    from lmcache_backend.integration.hf.engine import HFBlendEngine
 
     config = load_config(env={}, enable_blending=True, blend_special_str="", blend_min_tokens=32)
     free = HFBlendEngine(engine.model, engine.tokenizer, config)

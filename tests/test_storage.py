@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lmcache_backend.config import load_config
+from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage import (
     CorruptEntryError,
     DiskTier,
@@ -28,7 +29,7 @@ from lmcache_backend.storage import (
     create_store,
     serde,
 )
-from lmcache_backend.store import ModelFingerprint, SegmentKV, segment_key
+from lmcache_backend.storage.segments import SegmentKV, segment_key
 
 FP = ModelFingerprint("TestLM", 2, 4, 2, 8, "theta=10000.0,neox=True", "float32", "w0")
 OTHER_FP = ModelFingerprint("TestLM", 2, 4, 2, 8, "theta=10000.0,neox=True", "float32", "w1")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lmcache_backend.config import load_config
+from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage import (
     ExpectedLayout,
     FileSegmentIndex,
@@ -25,7 +26,7 @@ from lmcache_backend.storage import (
     create_store,
     serde,
 )
-from lmcache_backend.store import ModelFingerprint, SegmentKV, segment_key
+from lmcache_backend.storage.segments import SegmentKV, segment_key
 
 redis = pytest.importorskip("redis", reason="the redis Python package is not installed")
 from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier  # noqa: E402

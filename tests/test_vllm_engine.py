@@ -29,7 +29,7 @@ MAX_TOKENS = 10
 
 def _model_path() -> str:
     try:
-        from lmcache_backend.embedded import embedded_model_path
+        from lmcache_backend.data.embedded import embedded_model_path
 
         return str(embedded_model_path())
     except FileNotFoundError as exc:
@@ -40,7 +40,7 @@ def _prompts(path: str) -> dict[str, list[int]]:
     from transformers import AutoTokenizer
 
     from lmcache_backend.blend.segmenting import build_blend_prompt
-    from lmcache_backend.examples import builtin_examples
+    from lmcache_backend.data.examples import builtin_examples
 
     tok = AutoTokenizer.from_pretrained(path)
     ex = builtin_examples(1, chunks_per_example=4)[0]

@@ -57,8 +57,8 @@ SCRIPT = textwrap.dedent(
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     import lmcache_backend.blend.blender as blender_module
     from lmcache_backend.blend.segmenting import build_blend_prompt
-    from lmcache_backend.embedded import embedded_model_path
-    from lmcache_backend.examples import builtin_examples
+    from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.data.examples import builtin_examples
     from lmcache_backend.integration.vllm import kv_transfer_config
     from lmcache_backend.integration.vllm.layouts import slots_for
 

@@ -2,10 +2,10 @@
 
 Tiny random-weight Qwen3, Qwen2, Mistral, Llama-3.1-style (``llama3`` RoPE scaling) and YaRN-scaled
 Qwen3 models (``tests/tiny_models.py``) are served in turn by one child process, in fp32, through
-``lmcache_backend.verify.verify_vllm``: ratio 1.0 must reproduce the same engine's greedy tokens
-with the request opted out, the reordered chunks must be claimed (stats file), and re-rotated keys
-must equal keys computed at the new positions. The Mistral engine also runs the connector's
-``verify_on_start`` check. Then the YaRN model is started with a re-rotation
+``lmcache_backend.commands.verify.verify_vllm``: ratio 1.0 must reproduce the same engine's greedy
+tokens with the request opted out, the reordered chunks must be claimed (stats file), and
+re-rotated keys must equal keys computed at the new positions. The Mistral engine also runs the
+connector's ``verify_on_start`` check. Then the YaRN model is started with a re-rotation
 that forgets to normalize YaRN's attention factor out of the table: the engine must refuse to
 start. The engines run in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to keep this short.
 """
@@ -30,7 +30,8 @@ SCRIPT = textwrap.dedent(
     import json, sys, time
     sys.path.insert(0, sys.argv[2])
     from tiny_models import SPECS, build_tiny_model
-    from lmcache_backend.verify import checks_passed, format_checks, verify_vllm
+    from lmcache_backend.blend.exactness import checks_passed, format_checks
+    from lmcache_backend.commands.verify import verify_vllm
 
     def emit(**kw):
         print("RESULT " + json.dumps(kw), flush=True)

@@ -8,7 +8,7 @@ import pytest
 
 from lmcache_backend.integration.vllm import PLUGIN_ENTRY_POINT, doctor_section
 from lmcache_backend.integration.vllm import plugin as plugin_mod
-from lmcache_backend.model_tracker import ENGINE_NAME, ModelTracker
+from lmcache_backend.integration.vllm.model_tracker import ENGINE_NAME, ModelTracker
 
 
 def test_entry_point_is_registered() -> None:

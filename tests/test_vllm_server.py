@@ -69,7 +69,7 @@ CODES = ["3817", "5294", "6071", "7438", "8126", "9352", "2463", "4689"]
 def embedded_model_or_skip() -> str:
     """The embedded model's folder; skips the test when it is not installed."""
     try:
-        from lmcache_backend.embedded import embedded_model_path
+        from lmcache_backend.data.embedded import embedded_model_path
 
         return str(embedded_model_path())
     except FileNotFoundError as exc:
@@ -101,7 +101,7 @@ def rag_client(server: ServerProcess, model_path: str) -> RagClient:
 
 def rag_example():
     """The example whose first three documents every concurrent client shares."""
-    from lmcache_backend.examples import builtin_examples
+    from lmcache_backend.data.examples import builtin_examples
 
     return builtin_examples(2, chunks_per_example=4)[1]
 
@@ -184,7 +184,7 @@ def _tail_start(rag, prompt: list[int]) -> int:
 
 
 def test_reordered_documents_are_blended(server, rag, warmed) -> None:
-    from lmcache_backend.examples import reordered
+    from lmcache_backend.data.examples import reordered
 
     docs = reordered(warmed.chunks, seed=3)
     prompt = rag.prompt(warmed.system, docs, warmed.question)
@@ -206,7 +206,7 @@ def test_reordered_documents_are_blended(server, rag, warmed) -> None:
 def test_completions_text_prompt_is_blended(server, rag, warmed) -> None:
     """A completions request whose prompt is text (``system # # doc # # ... # # question``)
     reuses the documents stored from the chat requests."""
-    from lmcache_backend.examples import reordered
+    from lmcache_backend.data.examples import reordered
 
     text_rag = RagClient(rag.client, rag.model, rag.tokenizer, fmt="completions")
     docs = reordered(warmed.chunks, seed=6)
@@ -228,7 +228,7 @@ def test_ratio_one_equals_full_prefill(server, rag, warmed) -> None:
     same process, dtype and kernels (tests/test_vllm_engine.py checks that an opted-out request
     equals an engine without the connector), without a second server start.
     """
-    from lmcache_backend.examples import reordered
+    from lmcache_backend.data.examples import reordered
 
     docs = reordered(warmed.chunks, seed=4)
     before = len(server.stats())
@@ -253,7 +253,7 @@ def test_ratio_one_equals_full_prefill(server, rag, warmed) -> None:
     ids=str,
 )
 def test_malformed_kv_transfer_params_are_logged_and_ignored(server, rag, warmed, params) -> None:
-    from lmcache_backend.examples import reordered
+    from lmcache_backend.data.examples import reordered
 
     docs = reordered(warmed.chunks, seed=5)
     before = len(server.stats())
@@ -291,7 +291,7 @@ def _locker_doc(i: int) -> str:
 def _clients(server, rag, example, max_tokens: int) -> dict:
     """8 threads at once; each warms its own documents, then sends a blendable RAG request and a
     plain chat about its own invented name and number. Returns the numbers of the run."""
-    from lmcache_backend.examples import reordered
+    from lmcache_backend.data.examples import reordered
 
     answers: dict[tuple[int, str], str] = {}
     errors: list[str] = []

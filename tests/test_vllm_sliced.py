@@ -32,8 +32,8 @@ SCRIPT = textwrap.dedent(
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from lmcache_backend.blend.segmenting import build_blend_prompt
-    from lmcache_backend.embedded import embedded_model_path
-    from lmcache_backend.examples import builtin_examples
+    from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.data.examples import builtin_examples
 
     ORDERS = {"warm": [0, 1, 2, 3], "other": [3, 2, 1, 0], "reordered": [2, 0, 3, 1],
               "same_start": [0, 3, 1, 2]}

@@ -25,8 +25,8 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from lmcache_backend.embedded import embedded_model_path
-    from lmcache_backend.examples import builtin_examples
+    from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.data.examples import builtin_examples
     from lmcache_backend.blend.segmenting import chat_messages, segment_pattern
 
     def messages(mode, ex, order, question):
@@ -80,7 +80,7 @@ def _records(path) -> list[dict]:
 @pytest.mark.parametrize("mode", ["separator", "separator-free"])
 def test_text_chat_is_blended(tmp_path, mode) -> None:
     try:
-        from lmcache_backend.embedded import embedded_model_path
+        from lmcache_backend.data.embedded import embedded_model_path
 
         embedded_model_path()
     except FileNotFoundError as exc:

@@ -24,8 +24,8 @@ SCRIPT = textwrap.dedent(
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from lmcache_backend.embedded import embedded_model_path
-    from lmcache_backend.examples import builtin_examples
+    from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.data.examples import builtin_examples
     from lmcache_backend.blend.segmenting import build_blend_prompt, separator_pattern
 
     def params(**kw):

@@ -55,7 +55,7 @@ def build_tiny_model(name: str, folder: str | Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import embedded_model_path
 
     cls_name, arch, extra = SPECS[name]
     folder = Path(folder)

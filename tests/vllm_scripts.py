@@ -43,7 +43,7 @@ def run_blend_script(
     import pytest
 
     try:
-        from lmcache_backend.embedded import embedded_model_path
+        from lmcache_backend.data.embedded import embedded_model_path
 
         embedded_model_path()
     except FileNotFoundError as exc:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lmcache_backend import device
 from lmcache_backend.backends.ascend.attention import (
     attention_at_positions,
     verify_attention_at_positions,
@@ -38,7 +37,7 @@ from lmcache_backend.backends.ascend.rows import (
     verify_gather_rows,
     verify_scatter_rows,
 )
-from lmcache_backend.ops import BackendUnavailable
+from lmcache_backend.ops import BackendUnavailable, device
 
 OPS: dict[str, Callable] = {
     "rope_rerotate_k": rope_rerotate_k,

@@ -26,7 +26,7 @@ from lmcache_backend.bench.strategies import (
     parse_ints,
     parse_schedule,
 )
-from lmcache_backend.examples import DatasetError
+from lmcache_backend.data.examples import DatasetError
 
 
 def _arg(parse):

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmcache_backend.examples import (
+from lmcache_backend.data.examples import (
     DatasetError,
     RagExample,
     builtin_examples,
@@ -51,7 +51,7 @@ def load_dataset(path: str | Path | None = None, count: int = DEFAULT_COUNT) -> 
     ones when ``path`` is None.
 
     Raises:
-        DatasetError: a line is malformed (see :func:`lmcache_backend.examples.load_examples`),
+        DatasetError: a line is malformed (see :func:`lmcache_backend.data.examples.load_examples`),
             an example has fewer than two chunks (nothing to reorder) or repeats an earlier id;
             the message names the file, the line and the field.
     """

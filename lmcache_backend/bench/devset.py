@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lmcache_backend.bench.metrics import answer_correct
-from lmcache_backend.examples import RagExample, builtin_examples
+from lmcache_backend.data.examples import RagExample, builtin_examples
 
 DEVSET_PATH = Path(__file__).resolve().parent.parent / "data" / "devset.jsonl"
 CANDIDATE_SEED = 7331  # the built-in set uses 2024
@@ -81,7 +81,7 @@ def hf_answer(max_new_tokens: int = 16) -> Answer:
     import torch
 
     from lmcache_backend.blend.segmenting import build_blend_prompt
-    from lmcache_backend.embedded import load_embedded_model
+    from lmcache_backend.data.embedded import load_embedded_model
 
     model, tokenizer = load_embedded_model()
     stop = {tokenizer.eos_token_id}

@@ -124,7 +124,8 @@ def epic_recompute_mask(segments: Sequence[Any], num_tokens: int, k: int) -> tor
 
 
 class HFEngine:
-    """The benchmark on HF transformers through :class:`lmcache_backend.hf_engine.HFBlendEngine`.
+    """The benchmark on HF transformers through
+    :class:`~lmcache_backend.integration.hf.engine.HFBlendEngine`.
 
     Args:
         model, tokenizer: the model and its tokenizer.
@@ -136,7 +137,7 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config=None, model_name="") -> None:
         from lmcache_backend.config import load_config
-        from lmcache_backend.hf_engine import HFBlendEngine
+        from lmcache_backend.integration.hf.engine import HFBlendEngine
 
         self.core = HFBlendEngine(model, tokenizer, config or load_config(enable_blending=True))
         self.model = model
@@ -214,7 +215,7 @@ class HFEngine:
 
     @torch.no_grad()
     def _blend_prefill(self, strategy: Strategy, tokens: list[int]) -> PrefillRun:
-        from lmcache_backend.hf_engine import Prefill
+        from lmcache_backend.integration.hf.engine import Prefill
 
         blender = self._blender(strategy)  # created outside the timed part on the warm-up run
         start = time.perf_counter()
@@ -241,7 +242,11 @@ class HFEngine:
     def _prefix_prefill(self, tokens: list[int], block_size: int) -> PrefillRun:
         """vLLM-style automatic prefix caching: reuse the K/V of the longest common token prefix
         with a previously computed prompt (whole blocks only), compute the rest."""
-        from lmcache_backend.hf_engine import Prefill, hf_full_prefill, kv_to_dynamic_cache
+        from lmcache_backend.integration.hf.engine import (
+            Prefill,
+            hf_full_prefill,
+            kv_to_dynamic_cache,
+        )
 
         start = time.perf_counter()
         best, source = 0, None
@@ -472,7 +477,7 @@ def create_engine(name: str, config=None) -> BenchEngine:
         EngineUnavailable: the engine's packages are missing (the message says which).
     """
     if name == "hf":
-        from lmcache_backend.embedded import EMBEDDED_MODEL_NAME, load_embedded_model
+        from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, load_embedded_model
 
         model, tokenizer = load_embedded_model()
         return HFEngine(model, tokenizer, config, model_name=EMBEDDED_MODEL_NAME)
@@ -480,7 +485,7 @@ def create_engine(name: str, config=None) -> BenchEngine:
         problem = vllm_engine_problem()
         if problem:
             raise EngineUnavailable(problem)
-        from lmcache_backend.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
+        from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
 
         return VLLMEngine(str(embedded_model_path()), EMBEDDED_MODEL_NAME)
     raise EngineUnavailable(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lmcache_backend.bench.profile import _prompts
     from lmcache_backend.config import load_config
-    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.integration.vllm import kv_transfer_config
 
     path = str(embedded_model_path())

@@ -54,7 +54,7 @@ PHASES = (
 def _prompts(tok, size: int, rounds: int, separator: str):
     """The warm-up prompt and ``rounds`` reordered prompts with new questions, ~``size`` tokens."""
     from lmcache_backend.blend.segmenting import build_blend_prompt
-    from lmcache_backend.examples import builtin_examples, reordered
+    from lmcache_backend.data.examples import builtin_examples, reordered
 
     per_k = max(1, round(size / 1000))
     chunks_n = min(12, 6 * per_k)  # a profile is ~180 tokens
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm.config import KVTransferConfig
 
     from lmcache_backend.config import load_config
-    from lmcache_backend.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.integration.vllm import kv_transfer_config
 
     path = str(embedded_model_path())

@@ -15,7 +15,7 @@ from lmcache_backend.bench.metrics import (
     median_ratio,
 )
 from lmcache_backend.bench.strategies import FULL, Strategy
-from lmcache_backend.examples import RagExample
+from lmcache_backend.data.examples import RagExample
 
 Progress = Callable[[int], None]
 

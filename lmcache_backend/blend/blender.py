@@ -48,7 +48,7 @@ from lmcache_backend.config import BlendConfig
 from lmcache_backend.models.base import ModelAdapter
 from lmcache_backend.ops import Ops, get_ops
 from lmcache_backend.ops.reference import select_topk_with_invalid, selection_count
-from lmcache_backend.store import SegmentStore
+from lmcache_backend.storage.segments import SegmentStore
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from lmcache_backend.blend.interfaces import (
 )
 from lmcache_backend.blend.segment_cache import SegmentCache
 from lmcache_backend.blend.segmenting import Segment, SeparatorPattern
-from lmcache_backend.store import ModelFingerprint, SegmentKV, SegmentStore
+from lmcache_backend.models.fingerprint import ModelFingerprint
+from lmcache_backend.storage.segments import SegmentKV, SegmentStore
 
 
 class SPTBlendRetrieverTask(BlendRetrieverTask):

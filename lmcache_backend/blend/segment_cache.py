@@ -18,13 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from lmcache_backend.blend.segmenting import Segment, SegmentPattern, as_pattern
-from lmcache_backend.store import (
-    ModelFingerprint,
-    SegmentKV,
-    SegmentStore,
-    segment_key,
-    segment_keys,
-)
+from lmcache_backend.models.fingerprint import ModelFingerprint
+from lmcache_backend.storage.segments import SegmentKV, SegmentStore, segment_key, segment_keys
 
 logger = logging.getLogger(__name__)
 

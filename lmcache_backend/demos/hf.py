@@ -19,7 +19,7 @@ import torch
 
 from lmcache_backend.blend.segmenting import build_blend_prompt
 from lmcache_backend.config import load_config
-from lmcache_backend.examples import builtin_examples, reordered
+from lmcache_backend.data.examples import builtin_examples, reordered
 
 
 @dataclass
@@ -48,8 +48,8 @@ def run_demo(
     out=sys.stdout,
 ) -> dict:
     """Run the demo and return its numbers (what ``--json`` writes)."""
-    from lmcache_backend.embedded import EMBEDDED_MODEL_NAME, load_embedded_model
-    from lmcache_backend.hf_engine import HFBlendEngine
+    from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, load_embedded_model
+    from lmcache_backend.integration.hf.engine import HFBlendEngine
 
     model, tokenizer = load_embedded_model()
     config = load_config(

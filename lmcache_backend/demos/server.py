@@ -293,7 +293,7 @@ def run_chats(
 
     ``stats()`` returns the connector's blend records so far (to report recomputed tokens).
     """
-    from lmcache_backend.examples import builtin_examples, reordered
+    from lmcache_backend.data.examples import builtin_examples, reordered
 
     rows: list[ChatRow] = []
     for i, ex in enumerate(builtin_examples(examples, chunks_per_example=4)):
@@ -359,7 +359,7 @@ def run_demo(
     config = load_config(env={**os.environ, **env})
     setting = f"{config.blend_selection}, ratio {config.blend_recompute_ratios[-1]:g}"
 
-    from lmcache_backend.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
+    from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
 
     model = str(embedded_model_path())
     tokenizer = AutoTokenizer.from_pretrained(model)

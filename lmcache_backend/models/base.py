@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from lmcache_backend.store import ModelFingerprint
+from lmcache_backend.models.fingerprint import ModelFingerprint
 
 
 class ModelAdapter(ABC):

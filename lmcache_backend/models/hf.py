@@ -13,7 +13,7 @@ import logging
 import torch
 
 from lmcache_backend.models.base import ModelAdapter, rope_cos_sin_cache, sliding_window_span
-from lmcache_backend.store import ModelFingerprint
+from lmcache_backend.models.fingerprint import ModelFingerprint
 
 logger = logging.getLogger(__name__)
 

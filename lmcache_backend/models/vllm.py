@@ -38,7 +38,7 @@ from lmcache_backend.models.base import (
     pure_rotation_table,
     sliding_window_span,
 )
-from lmcache_backend.store import ModelFingerprint
+from lmcache_backend.models.fingerprint import ModelFingerprint
 
 logger = logging.getLogger(__name__)
 

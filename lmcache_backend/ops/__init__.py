@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmcache_backend.device import detect_platform
+from lmcache_backend.ops.device import detect_platform
 from lmcache_backend.ops.reference import REFERENCE_OPS
 
 logger = logging.getLogger(__name__)

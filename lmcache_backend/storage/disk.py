@@ -19,6 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from lmcache_backend.storage.segments import SegmentKV
 from lmcache_backend.storage.serde import (
     CorruptEntryError,
     ExpectedLayout,
@@ -27,7 +28,6 @@ from lmcache_backend.storage.serde import (
     encode,
 )
 from lmcache_backend.storage.tier import Tier, check_key
-from lmcache_backend.store import SegmentKV
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lmcache_backend.config import BlendConfig
+from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage.disk import DiskTier
 from lmcache_backend.storage.index import (
     FileSegmentIndex,
@@ -27,7 +28,6 @@ from lmcache_backend.storage.memory import MemoryTier
 from lmcache_backend.storage.serde import ExpectedLayout, fingerprint_hex
 from lmcache_backend.storage.tier import Tier
 from lmcache_backend.storage.tiered import TieredStore
-from lmcache_backend.store import ModelFingerprint
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections import OrderedDict
 
 import torch
 
+from lmcache_backend.storage.segments import SegmentKV
 from lmcache_backend.storage.tier import Tier
-from lmcache_backend.store import SegmentKV
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from lmcache_backend.storage.health import ConnectionGuard
+from lmcache_backend.storage.segments import SegmentKV
 from lmcache_backend.storage.serde import (
     CorruptEntryError,
     ExpectedLayout,
@@ -30,7 +31,6 @@ from lmcache_backend.storage.serde import (
     encode,
 )
 from lmcache_backend.storage.tier import Tier, check_key
-from lmcache_backend.store import SegmentKV
 
 logger = logging.getLogger(__name__)
 

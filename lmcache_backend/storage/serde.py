@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from lmcache_backend.store import ModelFingerprint, SegmentKV
+from lmcache_backend.models.fingerprint import ModelFingerprint
+from lmcache_backend.storage.segments import SegmentKV
 
 FORMAT = "lmcache_backend.segment.v1"
 # A header holds two tensor entries and a few short strings; anything far larger is not ours.

@@ -1,4 +1,4 @@
-"""What a storage tier adds to :class:`~lmcache_backend.store.SegmentStore`.
+"""What a storage tier adds to :class:`~lmcache_backend.storage.segments.SegmentStore`.
 
 :class:`~lmcache_backend.storage.tiered.TieredStore` composes tiers; it needs to remove single
 entries, to be told when a tier evicts one (to keep the cross-process index honest), to ask about
@@ -12,7 +12,7 @@ import re
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 
-from lmcache_backend.store import SegmentStore
+from lmcache_backend.storage.segments import SegmentStore
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Sequence
 
 from lmcache_backend.storage.index import SegmentIndex
+from lmcache_backend.storage.segments import SegmentKV, SegmentStore
 from lmcache_backend.storage.tier import Tier
-from lmcache_backend.store import SegmentKV, SegmentStore
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,8 @@
 
 ``register()`` runs in every vLLM process (entry point ``vllm.general_plugins``); it wraps the
 platform's model runner ``load_model`` so that, right after loading, the runner's model (unwrapped
-from any CUDA-graph wrapper) is recorded in :class:`~lmcache_backend.model_tracker.ModelTracker`.
+from any CUDA-graph wrapper) is recorded in
+:class:`~lmcache_backend.integration.vllm.model_tracker.ModelTracker`.
 Wrapping is idempotent: a second ``register()`` changes nothing.
 """
 
@@ -13,7 +14,7 @@ import importlib
 import logging
 from typing import Any
 
-from lmcache_backend.model_tracker import ENGINE_NAME, ModelTracker
+from lmcache_backend.integration.vllm.model_tracker import ENGINE_NAME, ModelTracker
 
 logger = logging.getLogger(__name__)
 

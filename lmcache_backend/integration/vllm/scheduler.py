@@ -29,8 +29,9 @@ from typing import Any
 from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
+from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage import create_lookup
-from lmcache_backend.store import ModelFingerprint, segment_keys
+from lmcache_backend.storage.segments import segment_keys
 
 logger = logging.getLogger(__name__)
 

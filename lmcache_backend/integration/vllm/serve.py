@@ -38,7 +38,7 @@ def vllm_serve_argv(
 ) -> list[str]:
     """The ``vllm serve ...`` argument list (without the program name) this command runs."""
     if model is None:
-        from lmcache_backend.embedded import embedded_model_path
+        from lmcache_backend.data.embedded import embedded_model_path
 
         model = str(embedded_model_path())
     argv = ["serve", model, *vllm_args]

@@ -53,7 +53,7 @@ class ConnectorSettings:
         stats_file: optional JSON-lines file receiving one record per blended request.
         allow_untested_versions: run on a vLLM release outside the matrix.
         verify_on_start: run ``lmcache-backend verify``'s model checks once when the worker is
-            ready and log the result (see :mod:`lmcache_backend.verify`).
+            ready and log the result (see :mod:`lmcache_backend.commands.verify`).
         num_layers: the model's decoder layers (a request's check layers must exist).
         profile: time the phases of each blended request (``BlendRecord.profile``).
         blend_layers_per_step: 0 (default): a claimed prompt is blended at once, before the

@@ -47,8 +47,8 @@ from lmcache_backend.integration.vllm.layouts import (
     slots_for,
 )
 from lmcache_backend.integration.vllm.metadata import LoadSpec, SaveSpec
+from lmcache_backend.integration.vllm.model_tracker import ENGINE_NAME, ModelTracker
 from lmcache_backend.integration.vllm.settings import ConnectorSettings
-from lmcache_backend.model_tracker import ENGINE_NAME, ModelTracker
 from lmcache_backend.models.vllm import VLLMModelAdapter
 from lmcache_backend.ops import Ops, get_ops
 from lmcache_backend.ops.cpu_kernels import KernelUnavailable, TiledAttention, load_tiled_attention
@@ -379,7 +379,7 @@ class WorkerSide:
     def _check_rerotation(self) -> None:
         """Refuse to start when re-rotated cached keys would not equal fresh keys: the model's
         positional encoding is not what the re-rotation assumes."""
-        from lmcache_backend.verify import REROTATION_TOLERANCE, rerotation_error
+        from lmcache_backend.blend.exactness import REROTATION_TOLERANCE, rerotation_error
 
         err = rerotation_error(self.model, self._probe_tokens())
         limit = REROTATION_TOLERANCE.get(self.model.dtype, REROTATION_TOLERANCE[torch.bfloat16])
@@ -394,7 +394,7 @@ class WorkerSide:
         """``verify_on_start``: the model checks of ``lmcache-backend verify``, logged once."""
         from transformers import AutoTokenizer
 
-        from lmcache_backend import verify
+        from lmcache_backend.blend import exactness as verify
 
         mc = self.vllm_config.model_config
         tok = AutoTokenizer.from_pretrained(

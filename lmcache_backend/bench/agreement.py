@@ -1,6 +1,6 @@
 """Does ratio 1.0 reproduce vLLM's own prefill? Greedy answers of one engine, blended vs opted out.
 
-``python -m lmcache_backend.integration.vllm.agreement [--model PATH] [--dtype bfloat16 float32]
+``python -m lmcache_backend.bench.agreement [--model PATH] [--dtype bfloat16 float32]
 [--dataset dev] [--prompts 16] [--max-tokens 24] [--ratio 1.0]`` serves RAG prompts (the dev set's
 first ``--prompts`` by default, ``--dataset builtin`` for the built-in ones) through vLLM with the
 CacheBlend connector: each example's chunks once in their original order with another question
@@ -117,7 +117,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = args.model
     if model is None:
-        from lmcache_backend.embedded import embedded_model_path
+        from lmcache_backend.data.embedded import embedded_model_path
 
         model = str(embedded_model_path())
     results = [_run_dtype(model, dtype, args) for dtype in args.dtype]

@@ -1,6 +1,6 @@
 """Time to first token of CacheBlend vs vLLM's full prefill, in one vLLM engine.
 
-``python -m lmcache_backend.integration.vllm.measure [--chunks 4] [--chunk-repeat 3] [--ratio
+``python -m lmcache_backend.bench.measure [--chunks 4] [--chunk-repeat 3] [--ratio
 0.15] [--examples 4]`` builds RAG prompts from the built-in examples (each chunk repeated
 ``--chunk-repeat`` times to make longer chunks) and, for the prompt with its chunks reordered and a
 new question in every request, compares:
@@ -58,8 +58,8 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     from lmcache_backend.blend.segmenting import build_blend_prompt
-    from lmcache_backend.embedded import embedded_model_path
-    from lmcache_backend.examples import builtin_examples, reordered
+    from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.data.examples import builtin_examples, reordered
     from lmcache_backend.integration.vllm import kv_transfer_config
 
     path = str(embedded_model_path())

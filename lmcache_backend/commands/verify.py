@@ -23,218 +23,26 @@ import argparse
 import json
 import logging
 import math
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from lmcache_backend.store import SegmentKV, SegmentStore
+from lmcache_backend.blend.exactness import (
+    REROTATION_TOLERANCE,
+    Check,
+    InMemoryStore,
+    agreement_checks,
+    builtin_prompts,
+    checks_passed,
+    format_checks,
+    rerotation_check,
+    rerotation_error,
+    reuse_check,
+    tolerance_dtype,
+)
 
 logger = logging.getLogger(__name__)
-
-#: Relative error of re-rotated keys allowed per model dtype (the keys are rounded to it).
-REROTATION_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-#: Largest first-token logit difference at ratio 1.0 per model dtype (fp32: the same arithmetic
-#: in another order; bf16: one rounding of 8 mantissa bits per op, over 30 layers).
-LOGIT_TOLERANCE = {torch.float32: 1e-2, torch.float16: 0.5, torch.bfloat16: 1.0}
-#: Answers allowed to differ from full prefill at ratio 1.0, per dtype (of the prompts run):
-#: fp32 none; half precision one, as two orders of the same rounded sums can flip a near-tie.
-DISAGREEMENT_ALLOWED = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 1}
-
-
-@dataclass
-class Check:
-    """One check: ``passed`` is None for a reported-only number."""
-
-    name: str
-    value: str
-    limit: str
-    passed: bool | None
-
-    def line(self) -> str:
-        verdict = {True: "PASS", False: "FAIL", None: "info"}[self.passed]
-        limit = f" (limit {self.limit})" if self.limit else ""
-        return f"{verdict:4}  {self.name}: {self.value}{limit}"
-
-
-def checks_passed(checks: Sequence[Check]) -> bool:
-    return all(c.passed is not False for c in checks)
-
-
-def format_checks(title: str, checks: Sequence[Check]) -> str:
-    verdict = "passed" if checks_passed(checks) else "FAILED"
-    return "\n".join([f"{title}: {verdict}", *("  " + c.line() for c in checks)])
-
-
-class _DictStore(SegmentStore):
-    """A private in-memory store, so a check never touches the engine's segments."""
-
-    def __init__(self) -> None:
-        self._d: dict[str, SegmentKV] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> SegmentKV | None:
-        return self._d.get(key)
-
-    def put(self, key: str, kv: SegmentKV) -> bool:
-        with self._lock:
-            self._d.setdefault(key, kv)
-        return True
-
-    def contains(self, key: str) -> bool:
-        return key in self._d
-
-    def clear(self) -> None:
-        self._d.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(kv.nbytes for kv in self._d.values())
-
-
-def _dtype_key(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in REROTATION_TOLERANCE else torch.bfloat16
-
-
-def builtin_prompts(tokenizer: Any, count: int = 4, separator: str | None = None) -> list:
-    """``count`` pairs ``(original, reordered)`` of prompt token ids from the built-in examples."""
-    from lmcache_backend.blend.segmenting import build_blend_prompt
-    from lmcache_backend.examples import builtin_examples, reordered
-
-    # separator-free mode (""): the default separator only shapes the text, blocks are found in it
-    kw = {"blend_special_str": separator} if separator else {}
-    pairs = []
-    for ex in builtin_examples(count, chunks_per_example=3):
-        first = build_blend_prompt(tokenizer, ex.system, ex.chunks, ex.question, **kw)
-        again = build_blend_prompt(
-            tokenizer, ex.system, reordered(ex.chunks, seed=1), ex.question, **kw
-        )
-        pairs.append((first.token_ids, again.token_ids))
-    return pairs
-
-
-@torch.inference_mode()
-def rerotation_error(adapter: Any, token_ids: Sequence[int], shift: int = 97, ops=None) -> float:
-    """Relative error of layer-0 keys of ``token_ids`` re-rotated from positions ``0..n-1`` to
-    ``shift..shift+n-1`` against the keys the adapter computes there."""
-    from lmcache_backend.ops import get_ops
-
-    ops = ops or get_ops("torch")
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
-    x = adapter.attention_input(0, adapter.embed(ids))
-    old = torch.arange(ids.numel(), device=adapter.device)
-    new = old + shift
-    _, k_old, _ = adapter.qkv(0, x, old)
-    _, k_new, _ = adapter.qkv(0, x, new)
-    moved = k_old.clone()
-    ops.rope_rerotate_k(moved, old, new, adapter.cos_sin_cache, adapter.is_neox)
-    diff = (moved.double() - k_new.double()).norm()
-    return float(diff / k_new.double().norm().clamp_min(1e-30))
-
-
-def rerotation_check(adapter: Any, token_ids: Sequence[int], ops=None) -> Check:
-    err = rerotation_error(adapter, token_ids, ops=ops)
-    limit = REROTATION_TOLERANCE[_dtype_key(adapter.dtype)]
-    return Check("re-rotation error", f"{err:.2e}", f"{limit:.0e}", bool(err <= limit))
-
-
-def _agreement_checks(
-    dtype: torch.dtype,
-    label: str,
-    logit_diffs: list[float],
-    agree: int,
-    total: int,
-    judged: bool,
-) -> list[Check]:
-    key = _dtype_key(dtype)
-    max_diff = max(logit_diffs) if logit_diffs else float("nan")
-    logit_limit = LOGIT_TOLERANCE[key]
-    allowed = DISAGREEMENT_ALLOWED[key]
-    return [
-        Check(
-            f"{label}: max first-token logit difference",
-            f"{max_diff:.3g}",
-            f"{logit_limit:g}" if judged else "",
-            bool(max_diff <= logit_limit) if judged else None,
-        ),
-        Check(
-            f"{label}: greedy answers equal to full prefill",
-            f"{agree}/{total}",
-            f">= {total - allowed}/{total}" if judged else "",
-            bool(agree >= total - allowed) if judged else None,
-        ),
-    ]
-
-
-def _reuse_check(label: str, fallbacks: list[str | None], fractions: list[float]) -> Check:
-    fell = [f for f in fallbacks if f]
-    mean = sum(fractions) / max(len(fractions), 1)
-    value = f"{len(fallbacks) - len(fell)}/{len(fallbacks)} blended, {mean:.0%} recomputed"
-    return Check(f"{label}: chunks reused", value, "all blended", not fell)
-
-
-@torch.inference_mode()
-def adapter_checks(
-    adapter: Any,
-    separator: Sequence[int],
-    prompts: Sequence[tuple[Sequence[int], Sequence[int]]],
-    config: Any,
-    *,
-    reference: Callable[[Sequence[int]], torch.Tensor] | None = None,
-    ops=None,
-) -> list[Check]:
-    """The checks on a model adapter alone (the connector's start-up check).
-
-    Args:
-        adapter: a :class:`~lmcache_backend.models.base.ModelAdapter`.
-        separator: the separator's token ids.
-        prompts: ``(original, reordered)`` token-id pairs.
-        config: a :class:`~lmcache_backend.config.BlendConfig` (its ratios are the default).
-        reference: last-token ``[vocab]`` logits of a full prefill; default: the blender's own
-            full prefill (every token computed, nothing reused).
-        ops: op set (default: the configured backend's).
-
-    Only the first token is compared here (greedy agreement of the first token).
-    """
-    from lmcache_backend.blend import LMCBlender, SegmentCache
-    from lmcache_backend.ops import get_ops
-
-    ops = ops or get_ops(config.backend)
-    store = _DictStore()
-    cfg = config.replace(blend_min_tokens=min(config.blend_min_tokens, 16))
-    full_cfg = cfg.replace(blend_recompute_ratios=[1.0])
-    blender = LMCBlender(store, None, cfg, adapter, separator, ops)
-    full_blender = LMCBlender(store, None, full_cfg, adapter, separator, ops)
-    segments = SegmentCache(store, adapter.fingerprint, separator)
-    checks = [rerotation_check(adapter, prompts[0][1], ops)]
-    stats = {
-        k: {"diffs": [], "agree": 0, "fallbacks": [], "fractions": []}
-        for k in ("ratio 1.0", "default")
-    }
-    for first, again in prompts:
-        warm = blender.blend(list(first), torch.zeros(len(first), dtype=torch.bool))
-        segments.store_segments(list(first), warm.keys, warm.values)
-        if reference is None:
-            ref = blender.blend(list(again), torch.zeros(len(again), dtype=torch.bool)).logits
-        else:
-            ref = reference(again)
-        for label, b in (("ratio 1.0", full_blender), ("default", blender)):
-            res = b.blend(list(again))
-            s = stats[label]
-            s["diffs"].append(float((res.logits.float() - ref.float()).abs().max()))
-            s["agree"] += int(int(res.logits.argmax()) == int(ref.argmax()))
-            s["fallbacks"].append(res.fallback_reason)
-            s["fractions"].append(res.recomputed_reusable / max(res.num_reusable, 1))
-    for label, s in stats.items():
-        judged = label == "ratio 1.0"
-        checks += _agreement_checks(
-            adapter.dtype, label, s["diffs"], s["agree"], len(prompts), judged
-        )
-        checks[-1].name = f"{label}: first tokens equal to full prefill"
-        checks.append(_reuse_check(label, s["fallbacks"], s["fractions"]))
-    return checks
 
 
 # -- HF engine ---------------------------------------------------------------------------------
@@ -245,14 +53,14 @@ def verify_hf(model_path: str, dtype: str = "float32", count: int = 4, max_token
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lmcache_backend.config import load_config
-    from lmcache_backend.hf_engine import HFBlendEngine
+    from lmcache_backend.integration.hf.engine import HFBlendEngine
 
     torch_dtype = getattr(torch, dtype)
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
     config = load_config(enable_blending=True)
     config = config.replace(blend_min_tokens=min(config.blend_min_tokens, 16))
-    engine = HFBlendEngine(model, tok, config, store=_DictStore())
+    engine = HFBlendEngine(model, tok, config, store=InMemoryStore())
     prompts = builtin_prompts(tok, count, config.blend_special_str)
     checks = [rerotation_check(engine.adapter, prompts[0][1], engine.ops)]
     for label, ratios in (("ratio 1.0", [1.0]), ("default", None)):
@@ -268,8 +76,8 @@ def verify_hf(model_path: str, dtype: str = "float32", count: int = 4, max_token
             fallbacks.append(blend.blend.fallback_reason)
             fractions.append(blend.blend.recomputed_reusable / max(blend.blend.num_reusable, 1))
         judged = label == "ratio 1.0"
-        checks += _agreement_checks(model.dtype, label, diffs, agree, len(prompts), judged)
-        checks.append(_reuse_check(label, fallbacks, fractions))
+        checks += agreement_checks(model.dtype, label, diffs, agree, len(prompts), judged)
+        checks.append(reuse_check(label, fallbacks, fractions))
     return checks
 
 
@@ -278,7 +86,7 @@ def verify_hf(model_path: str, dtype: str = "float32", count: int = 4, max_token
 
 def worker_rerotation_error(worker: Any = None) -> float:
     """Run inside a vLLM worker (``LLM.collective_rpc``): re-rotation error of the served model."""
-    from lmcache_backend.model_tracker import ENGINE_NAME, ModelTracker
+    from lmcache_backend.integration.vllm.model_tracker import ENGINE_NAME, ModelTracker
     from lmcache_backend.models.vllm import VLLMModelAdapter
 
     vllm_config = worker.vllm_config if worker is not None else None
@@ -357,7 +165,7 @@ def verify_vllm(
     details: dict[str, Any] = {"prompts": []}
     try:
         err = max(llm.collective_rpc(worker_rerotation_error))
-        limit = REROTATION_TOLERANCE[_dtype_key(torch_dtype)]
+        limit = REROTATION_TOLERANCE[tolerance_dtype(torch_dtype)]
         checks = [Check("re-rotation error", f"{err:.2e}", f"{limit:.0e}", bool(err <= limit))]
         stats_rows = {k: {"diffs": [], "agree": 0, "fb": [], "fr": []} for k in ("1", "d")}
         for first, again in prompts:
@@ -383,11 +191,11 @@ def verify_vllm(
         for key, label in (("1", "ratio 1.0"), ("d", "default")):
             s = stats_rows[key]
             judged = key == "1"
-            checks += _agreement_checks(
+            checks += agreement_checks(
                 torch_dtype, label, s["diffs"], s["agree"], len(prompts), judged
             )
             checks[-2].name = f"{label}: max first-token log-probability difference (top 5)"
-            checks.append(_reuse_check(label, s["fb"], s["fr"]))
+            checks.append(reuse_check(label, s["fb"], s["fr"]))
     finally:
         llm.llm_engine.engine_core.shutdown()
         os.unlink(stats)
@@ -411,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     model = args.model
     if not model:
-        from lmcache_backend.embedded import embedded_model_path
+        from lmcache_backend.data.embedded import embedded_model_path
 
         model = str(embedded_model_path())
     if args.engine == "hf":

@@ -1,11 +1,11 @@
-"""The segment store: per-layer K/V of token segments, keyed by model and tokens.
+"""The segment store's interface: per-layer K/V of token segments, keyed by model and tokens.
 
 A key is ``sha256(model fingerprint, segment token ids)``, so a segment is never served to another
 model or configuration. A value (:class:`SegmentKV`) holds every layer's K (post-RoPE, rotated at
 the positions it was computed at) and V, plus the position of its first token.
 
 This module holds the key, the value and the store interface; the tiers (device, CPU, disk, Redis)
-live in :mod:`lmcache_backend.storage`.
+live beside it in :mod:`lmcache_backend.storage`.
 """
 
 from __future__ import annotations
@@ -18,27 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class ModelFingerprint:
-    """What makes cached K/V of one model unusable by another.
-
-    ``weights_digest`` is a hash of a few weight rows, so two fine-tunes of the same architecture
-    do not share entries. The backend is deliberately absent: every backend computes the same K/V.
-    """
-
-    architecture: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope: str  # e.g. "theta=100000.0,neox=True,scaling=None"
-    dtype: str
-    weights_digest: str
-
-    def digest(self) -> bytes:
-        text = "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()))
-        return hashlib.sha256(text.encode()).digest()
+from lmcache_backend.models.fingerprint import ModelFingerprint
 
 
 def segment_key(fingerprint: ModelFingerprint, tokens: Sequence[int] | torch.Tensor) -> str:
