@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from lmcache_backend.blend import LMCBlender, LMCBlenderBuilder, SegmentCache
+from lmcache_backend.blend import KVTarget, LMCBlender, LMCBlenderBuilder, SegmentCache
 from lmcache_backend.config import SELECTION_CHOICES, load_config
 from lmcache_backend.integration.hf.engine import hf_full_prefill, kv_to_dynamic_cache
 from lmcache_backend.models.hf import HFModelAdapter
@@ -216,7 +216,7 @@ def test_min_tokens_falls_back_to_full_prefill(tiny, caplog) -> None:
     blender, cache = _setup(model, ratios=(0.15,), min_tokens=10_000)
     _warm(model, cache, _prompt(SYS, C1, Q1))
     tokens = _prompt(C1, SYS, Q1)
-    with caplog.at_level(logging.INFO, logger="lmcache_backend.blend.blender"):
+    with caplog.at_level(logging.INFO, logger="lmcache_backend.blend"):
         result = blender.blend(tokens)
     assert not result.blended and "blend_min_tokens=10000" in result.fallback_reason
     assert "falls back to a full prefill" in caplog.text
@@ -388,8 +388,8 @@ def test_last_layer_skips_what_nothing_reads(tiny, selection) -> None:
     assert calls.count(("mlp_block", layers - 1)) == 1
 
 
-class _EngineKV:
-    """A paged cache whose "engine" computes rows itself (:class:`EngineForwardKV`): per-layer
+class _EngineKV(KVTarget):
+    """A paged cache whose "engine" computes rows itself (``runs_engine_forward``): per-layer
     ``[T, Hkv, D]`` rows (NaN until written) and a forward pass of given tokens over them, made
     of the adapter's steps and the reference attention."""
 
@@ -480,8 +480,8 @@ def test_engine_forward_gets_the_fixed_selection_over_every_cached_row(tiny, sel
     assert "attention" in engine.events
 
 
-class _PreviewEngine:
-    """A writer whose "engine" runs a preview's tokens itself (:class:`EnginePreview`): the
+class _PreviewEngine(KVTarget):
+    """A writer whose "engine" runs a preview's tokens itself (``preview_rows``): the
     adapter's steps, each layer's attention by the blender's ``attend``. ``runs`` False: it
     declines (as vLLM's does for more tokens than one pass)."""
 

@@ -106,50 +106,49 @@ def test_unsupported_cpu_gets_a_reason(monkeypatch) -> None:
     assert "x86-64" in cpu_kernels.unsupported_reason()
 
 
-def _worker(choice: str, dtype=torch.bfloat16, head_dim: int = 64, model_dtype=torch.bfloat16):
-    """What ``WorkerSide._choose_tiled_attention`` reads: the settings and the KV caches."""
-    return SimpleNamespace(
-        settings=SimpleNamespace(selected_attention=choice),
-        caches=[torch.zeros(1, 1, 16, 128, dtype=dtype)],
-        model=SimpleNamespace(head_dim=head_dim, dtype=model_dtype),
-    )
+def _choice(choice: str, dtype=torch.bfloat16, head_dim: int = 64, model_dtype=torch.bfloat16):
+    """What ``attention_choice._tiled_attention`` reads: the setting, the KV cache's dtype and
+    the model."""
+    return choice, dtype, SimpleNamespace(head_dim=head_dim, dtype=model_dtype)
 
 
 def test_selected_attention_choice(monkeypatch, caplog) -> None:
     """``auto`` falls back to vLLM's attention with a warning saying why; ``tiled`` stops the
     engine with an error naming the key; ``vllm`` never loads the kernel."""
     pytest.importorskip("vllm")
-    from lmcache_backend.integration.vllm import worker as worker_module
+    from lmcache_backend.integration.vllm import attention_choice as worker_module
 
-    pick = worker_module.WorkerSide._choose_tiled_attention
+    def pick(args):
+        return worker_module._tiled_attention(*args)
 
     def unavailable():
         raise cpu_kernels.KernelUnavailable("tiled attention needs the CPU flags avx512_bf16")
 
     monkeypatch.setattr(worker_module, "load_tiled_attention", unavailable)
     with caplog.at_level(logging.WARNING):
-        assert pick(_worker("auto")) is None
+        assert pick(_choice("auto")) is None
     assert "selected_attention=auto" in caplog.text and "avx512_bf16" in caplog.text
     with pytest.raises(ConfigError, match="selected_attention='tiled'.*avx512_bf16"):
-        pick(_worker("tiled"))
+        pick(_choice("tiled"))
     with pytest.raises(ConfigError, match="bf16 KV cache"):
-        pick(_worker("tiled", torch.float32))
+        pick(_choice("tiled", torch.float32))
     with pytest.raises(ConfigError, match="bf16 model, this one is torch.float16"):
-        pick(_worker("tiled", model_dtype=torch.float16))
+        pick(_choice("tiled", model_dtype=torch.float16))
     with pytest.raises(ConfigError, match="head dim multiple of 32, not 80"):
-        pick(_worker("tiled", head_dim=80))
-    assert pick(_worker("vllm")) is None
+        pick(_choice("tiled", head_dim=80))
+    assert pick(_choice("vllm")) is None
     sentinel = object()
     monkeypatch.setattr(worker_module, "load_tiled_attention", lambda: sentinel)
-    assert pick(_worker("auto")) is sentinel
-    assert pick(_worker("vllm")) is None
+    assert pick(_choice("auto")) is sentinel
+    assert pick(_choice("vllm")) is None
 
 
 @pytest.mark.parametrize("choice, builds", [("auto", 1), ("tiled", 1), ("vllm", 0)])
 def test_kernel_is_built_when_the_caches_are_registered(monkeypatch, choice, builds) -> None:
     """The kernel is built at engine start, not in the first blended request's TTFT; a kernel
-    that cannot run does not stop the start there (``_choose_tiled_attention`` decides later)."""
+    that cannot run does not stop the start there (``choose_attention`` decides later)."""
     pytest.importorskip("vllm")
+    from lmcache_backend.integration.vllm import attention_choice
     from lmcache_backend.integration.vllm import worker as worker_module
 
     calls = []
@@ -158,7 +157,7 @@ def test_kernel_is_built_when_the_caches_are_registered(monkeypatch, choice, bui
         calls.append(1)
         raise cpu_kernels.KernelUnavailable("tiled attention needs the CPU flags avx512_bf16")
 
-    monkeypatch.setattr(worker_module, "load_tiled_attention", unavailable)
+    monkeypatch.setattr(attention_choice, "load_tiled_attention", unavailable)
     side = SimpleNamespace(
         settings=SimpleNamespace(selected_attention=choice),
         profile=SimpleNamespace(kv_transfer_after_model_load=False),

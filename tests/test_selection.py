@@ -134,7 +134,7 @@ def test_query_attention_selection_keeps_what_the_question_reads(llama) -> None:
 def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch) -> None:
     """The preview's attention mass decides the fixed selection: with a mass that favours known
     tokens, exactly those (plus the query) are recomputed in every layer."""
-    import lmcache_backend.blend.blender as blender_module
+    import lmcache_backend.blend.preview_mass as preview_mass
 
     blender, cache = _setup(llama, ratios=(0.1,), selection="query_preview")
     _warm(llama, cache, _prompt(SYS, C1, C2, C3, Q1))
@@ -145,7 +145,7 @@ def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch
     favoured = [17, 40, 41, 77, 90, 101, 110, 120, 130, 140, 141, 142, 143, 20, 25, 30]
     count = int(0.1 * query_start)
 
-    real = blender_module.attention_with_query_mass
+    real = preview_mass.attention_with_query_mass
 
     def fake_mass(q, k, v, positions, scale, rows):
         out, _, last = real(q, k, v, positions, scale, rows)
@@ -155,7 +155,7 @@ def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch
         mass[favoured] = 100.0 ** torch.arange(len(favoured), 0, -1, dtype=torch.float32)
         return out, mass, last
 
-    monkeypatch.setattr(blender_module, "attention_with_query_mass", fake_mass)
+    monkeypatch.setattr(preview_mass, "attention_with_query_mass", fake_mass)
     result = blender.blend(tokens)
     query = list(range(query_start, len(tokens)))
     assert result.recomputed.tolist() == sorted(favoured[:count]) + query
@@ -244,9 +244,9 @@ def test_position_discount_divides_by_one_plus_d_times_the_relative_position() -
 def test_position_discount_prefers_the_earlier_of_two_close_scores(llama, monkeypatch, selection):
     """Token 30 scores a little below token 120: without the discount token 120 is chosen, with
     it token 30 (120 / 30 positions apart, scores 10% apart). Scores far apart keep their order."""
-    import lmcache_backend.blend.blender as blender_module
+    import lmcache_backend.blend.preview_mass as preview_mass
 
-    real = blender_module.attention_with_query_mass
+    real = preview_mass.attention_with_query_mass
 
     def fake(q, k, v, positions, scale, rows):
         out, _, _ = real(q, k, v, positions, scale, rows)
@@ -254,8 +254,8 @@ def test_position_discount_prefers_the_earlier_of_two_close_scores(llama, monkey
         mass[[30, 120, 140]] = torch.tensor([0.9, 1.0, 100.0])  # 140: far above both
         return out, mass, mass.clone()
 
-    monkeypatch.setattr(blender_module, "attention_with_query_mass", fake)
-    monkeypatch.setattr(blender_module, "value_norms", lambda values: torch.ones(values.shape[0]))
+    monkeypatch.setattr(preview_mass, "attention_with_query_mass", fake)
+    monkeypatch.setattr(preview_mass, "value_norms", lambda values: torch.ones(values.shape[0]))
     tokens = _prompt(SYS, C3, C1, C2, Q2)
     chosen = {}
     for discount in (0.0, 10.0):
@@ -269,9 +269,9 @@ def test_position_discount_prefers_the_earlier_of_two_close_scores(llama, monkey
 def test_query_preview_last_weights_the_last_tokens_reads(llama, monkeypatch) -> None:
     """A token only the last token reads outranks tokens the other query tokens read a little
     more: the last token's share counts as much as all the query tokens' together."""
-    import lmcache_backend.blend.blender as blender_module
+    import lmcache_backend.blend.preview_mass as preview_mass
 
-    real = blender_module.attention_with_query_mass
+    real = preview_mass.attention_with_query_mass
 
     def fake(q, k, v, positions, scale, rows):
         out, _, _ = real(q, k, v, positions, scale, rows)
@@ -280,7 +280,7 @@ def test_query_preview_last_weights_the_last_tokens_reads(llama, monkeypatch) ->
         last[60] = 1.0  # only the last token reads token 60
         return out, mass, last
 
-    monkeypatch.setattr(blender_module, "attention_with_query_mass", fake)
+    monkeypatch.setattr(preview_mass, "attention_with_query_mass", fake)
     tokens = _prompt(SYS, C3, C1, C2, Q2)
     chosen = {}
     for selection in ("query_preview", "query_preview_last"):

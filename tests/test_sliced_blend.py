@@ -182,22 +182,24 @@ def test_only_tail_free_selections_are_sliced(settings_for, per_step, params, sl
 
 
 def _worker(layers: int, per_step: int):
-    from lmcache_backend.integration.vllm.worker import WorkerSide
+    """The worker's loads (:class:`~lmcache_backend.integration.vllm.loads.Loads`) of a model
+    of ``layers`` layers; ``finished`` collects ``(request id, result)`` of completed blends."""
+    from lmcache_backend.integration.vllm.loads import Loads
 
-    worker = WorkerSide.__new__(WorkerSide)
-    worker.settings = SimpleNamespace(blend_layers_per_step=per_step)
-    worker.model = SimpleNamespace(num_layers=layers)
-    worker.timer = worker._writer = None
-    worker._sliced, worker._finished_loads = {}, set()
-    worker.finished = []
-    worker._finish = lambda spec, result, *rest: worker.finished.append((spec.req_id, result))
-    return worker
+    finished: list = []
+
+    def done(spec, result, *rest):
+        finished.append((spec.req_id, result))
+
+    loads = Loads(None, None, None, 16, per_step, False, done)
+    loads.finished, loads.last_layer = finished, layers - 1
+    return loads
 
 
 def _job(worker, rid: str, layers: int, preview: bool | str, log: list):
     """A sliced job of ``layers`` blend passes after ``preview``: False (none), True (a preview
     layer by layer: ``layers`` passes) or ``"engine"`` (one pass, vLLM's forward)."""
-    from lmcache_backend.integration.vllm.worker import _Sliced
+    from lmcache_backend.integration.vllm.loads import _Sliced
 
     writer = SimpleNamespace(paged_layers=0, engine_previewed=False)
 
@@ -213,11 +215,10 @@ def _job(worker, rid: str, layers: int, preview: bool | str, log: list):
         return f"result of {rid}"
 
     spec = SimpleNamespace(req_id=rid)
-    blender = SimpleNamespace(timer=None, gpu_connector=None)
     from lmcache_backend.blend.timing import NO_TIMER
 
-    job = _Sliced(spec, passes(), blender, writer, NO_TIMER, 0.0)
-    worker._sliced[rid] = job
+    job = _Sliced(spec, passes(), writer, NO_TIMER, 0.0)
+    worker.sliced[rid] = job
     return job
 
 
@@ -227,9 +228,9 @@ def _advance_steps(worker, log: list, steps: int) -> list:
     counts: list = []
     for _ in range(steps):
         before = len(log)
-        worker.advance()
+        worker.advance(worker.last_layer)
         counts.append(len(log) - before)
-        done = worker.take_finished_loads()
+        done = worker.take_finished()
         counts.append(sorted(done) if done else [])
     return counts
 
@@ -243,7 +244,7 @@ def test_worker_runs_a_fixed_number_of_passes_per_step_oldest_first() -> None:
     assert counts == [3, [], 3, [], 3, ["a"], 3, ["b"]]
     assert [rid for rid, _ in worker.finished] == ["a", "b"]
     assert worker.finished[0][1] == "result of a" and a.steps == 3
-    assert not worker._sliced
+    assert not worker.sliced
 
 
 def test_a_preview_through_vllms_forward_ends_its_step() -> None:
@@ -255,24 +256,24 @@ def test_a_preview_through_vllms_forward_ends_its_step() -> None:
     counts = _advance_steps(worker, log, 4)
     assert counts == [1, [], 3, [], 3, ["a"], 2, ["b"]]
     assert log[0] == ("a", "preview", 3) and a.steps == 3
-    assert not worker._sliced
+    assert not worker.sliced
 
 
 def test_worker_finishes_a_blend_whose_last_layer_used_the_budget() -> None:
     worker, log = _worker(layers=4, per_step=4), []
     job = _job(worker, "a", 4, preview=False, log=log)
-    worker.advance()
-    assert worker.take_finished_loads() == {"a"} and job.steps == 1
+    worker.advance(worker.last_layer)
+    assert worker.take_finished() == {"a"} and job.steps == 1
 
 
 def test_worker_cancel_drops_the_blend_before_it_advances() -> None:
     worker, log = _worker(layers=4, per_step=2), []
     _job(worker, "a", 4, preview=True, log=log)
-    worker.advance()
-    assert worker.take_finished_loads() is None
+    worker.advance(worker.last_layer)
+    assert worker.take_finished() is None
     worker.cancel("a")
     worker.cancel("unknown")  # completed (and reported) earlier, or never here: nothing
-    worker.advance()
-    assert len(log) == 2 and not worker._sliced and not worker.finished
-    assert worker.take_finished_loads() == {"a"}  # vLLM frees the blocks only then
-    assert worker.take_finished_loads() is None
+    worker.advance(worker.last_layer)
+    assert len(log) == 2 and not worker.sliced and not worker.finished
+    assert worker.take_finished() == {"a"}  # vLLM frees the blocks only then
+    assert worker.take_finished() is None

@@ -184,14 +184,14 @@ def test_attention_fraction_counts_query_key_pairs() -> None:
     """A query at position p reads p + 1 keys; vLLM computes every token from ``end`` on."""
     import torch
 
-    from lmcache_backend.integration.vllm.worker import _attention_fraction
+    from lmcache_backend.integration.vllm.stats import attention_fraction
 
     full = 10 * 11 / 2
-    assert _attention_fraction(torch.arange(10), 8, 10) == 1.0
+    assert attention_fraction(torch.arange(10), 8, 10) == 1.0
     # tokens 0 and 5 blended (1 + 6 pairs), tokens 8 and 9 by vLLM (9 + 10); token 9 >= end is
     # vLLM's even when listed among the computed ones
-    assert _attention_fraction(torch.tensor([0, 5, 9]), 8, 10) == (1 + 6 + 9 + 10) / full
-    assert _attention_fraction(torch.empty(0, dtype=torch.int64), 10, 10) == 0.0
+    assert attention_fraction(torch.tensor([0, 5, 9]), 8, 10) == (1 + 6 + 9 + 10) / full
+    assert attention_fraction(torch.empty(0, dtype=torch.int64), 10, 10) == 0.0
 
 
 @pytest.fixture(scope="module")

@@ -48,14 +48,14 @@ PREVIEW_OVERLAP = 0.95
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import dataclasses, json, os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
-    import lmcache_backend.blend.blender as blender_module
+    import lmcache_backend.blend.preview as preview_module
     from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.data.examples import builtin_examples
@@ -82,20 +82,20 @@ SCRIPT = textwrap.dedent(
         def capturing_load(spec):
             record = load(spec)
             slots = slots_for(spec.block_ids, worker.block_size, spec.prefix_len, spec.end)
-            keys, values = worker._read_all_layers(slots)
+            keys, values = worker.read_rows(slots)
             captured.append((torch.stack(keys).float(), torch.stack(values).float()))
             return record
 
         worker.load = capturing_load
         chosen = []  # every selection's (scores, chosen rows)
-        select = blender_module.select_topk_with_invalid
+        select = preview_module.select_topk_with_invalid
 
         def recording_select(scores, valid, count):
             rows = select(scores, valid, count)
             chosen.append((scores.clone(), rows.clone()))
             return rows
 
-        blender_module.select_topk_with_invalid = recording_select
+        preview_module.select_topk_with_invalid = recording_select
         sp = SamplingParams(temperature=0, max_tokens=12)
 
         def answer(name):
@@ -103,14 +103,16 @@ SCRIPT = textwrap.dedent(
             return out.outputs[0].text
 
         result = {"warm": answer("warm"), "engine_forward": answer("reordered")}
-        engine_forward = worker._writer._engine_forward
+        target = worker.loads.target
+        engine_forward = target.kernels.engine_forward
         engine_forward.chunk_tokens = 16  # the selected tokens in chunks of 16: the same rows
         result["chunked"] = answer("reordered")
         engine_forward.chunk_tokens = engine_forward.max_tokens
-        worker._writer._blend_in_layers = True  # the selected tokens layer by layer
+        target._blend_in_layers = True  # the selected tokens layer by layer
         result["layerwise"] = answer("reordered")
         result["tiled"] = engine_forward.tiled_attention is not None
-        worker._writer._engine_forward = None  # and the blender's own preview
+        # and the blender's own preview
+        target.kernels = dataclasses.replace(target.kernels, engine_forward=None)
         result["blender_preview"] = answer("reordered")
         (ek, ev), (ck, cv), (lk, lv), _ = captured
         (engine_scores, engine_rows), (own_scores, own_rows) = chosen[0], chosen[-1]

@@ -65,7 +65,7 @@ SCRIPT = textwrap.dedent(
         while tokens["blend"] == 0:
             step()
             steps += 1
-            in_flight += internal in worker._sliced
+            in_flight += internal in worker.loads.sliced
         during = tokens["decode"] - at_add
         while engine.has_unfinished_requests():
             step()
@@ -81,13 +81,13 @@ SCRIPT = textwrap.dedent(
                                  SamplingParams(temperature=0, max_tokens=3))
         for _ in range(3):
             engine.step()
-        out = {"in_flight": rid in worker._sliced, "id": rid,
+        out = {"in_flight": rid in worker.loads.sliced, "id": rid,
                "blocks_held": pool.get_num_free_blocks() < free_before}
         engine.abort_request(["doomed"])
         out["held_after_abort"] = rid in scheduler.requests
         for _ in range(3):
             engine.step()
-        out["dropped"] = rid not in worker._sliced
+        out["dropped"] = rid not in worker.loads.sliced
         out["released"] = rid not in scheduler.requests
         out["blocks_back"] = pool.get_num_free_blocks() == free_before
         return out

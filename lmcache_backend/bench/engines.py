@@ -145,7 +145,6 @@ class HFEngine:
         self.model_name = model_name or getattr(model.config, "_name_or_path", "")
         self.num_layers = self.core.adapter.num_layers
         self._prompts: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = []
-        self._blenders: dict[tuple, Any] = {}
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -177,23 +176,16 @@ class HFEngine:
         # What a prefix cache would hold after serving this prompt.
         self._prompts.append((tokens, prefill.keys, prefill.values))
 
-    def _blender(self, strategy: Strategy):
-        from lmcache_backend.blend.blender import LMCBlender
-
-        key = (strategy.ratios, strategy.check_layers, strategy.selection)
-        if key not in self._blenders:
-            core = self.core
-            config = core.config
-            if strategy.kind == BLEND:
-                config = config.replace(
-                    blend_recompute_ratios=list(strategy.ratios),
-                    blend_check_layers=list(strategy.check_layers),
-                    blend_selection=strategy.selection or config.blend_selection,
-                )
-            self._blenders[key] = LMCBlender(
-                core.store, None, config, core.adapter, core.separator, core.ops
-            )
-        return self._blenders[key]
+    def _config(self, strategy: Strategy):
+        """The request settings of ``strategy``."""
+        config = self.core.config
+        if strategy.kind != BLEND:
+            return config
+        return config.replace(
+            blend_recompute_ratios=list(strategy.ratios),
+            blend_check_layers=list(strategy.check_layers),
+            blend_selection=strategy.selection or config.blend_selection,
+        )
 
     def supports(self, strategy: Strategy) -> bool:
         return strategy.kind in (FULL, PREFIX, BLEND, EPIC)
@@ -217,14 +209,14 @@ class HFEngine:
     def _blend_prefill(self, strategy: Strategy, tokens: list[int]) -> PrefillRun:
         from lmcache_backend.integration.hf.engine import Prefill
 
-        blender = self._blender(strategy)  # created outside the timed part on the warm-up run
+        blender, config = self.core.blender, self._config(strategy)
         start = time.perf_counter()
         if strategy.kind == EPIC:
             segments = self.core.segment_cache.segments(tokens)
             mask = epic_recompute_mask(segments, len(tokens), strategy.epic_k)
-            result = blender.blend(tokens, recompute=mask)
+            result = blender.blend(tokens, recompute=mask, config=config)
         else:
-            result = blender.blend(tokens)
+            result = blender.blend(tokens, config=config)
         result.logits.argmax()
         ttft = time.perf_counter() - start
         prefill = Prefill(result.logits, result.keys, result.values, ttft, blend=result)

@@ -23,6 +23,11 @@ from typing import Any
 
 import torch
 
+from lmcache_backend.blend.blender import LMCBlender
+from lmcache_backend.blend.segment_cache import SegmentCache
+from lmcache_backend.blend.segmenting import build_blend_prompt
+from lmcache_backend.data.examples import builtin_examples, reordered
+from lmcache_backend.ops import get_ops
 from lmcache_backend.storage.segments import SegmentKV, SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -93,9 +98,6 @@ def tolerance_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def builtin_prompts(tokenizer: Any, count: int = 4, separator: str | None = None) -> list:
     """``count`` pairs ``(original, reordered)`` of prompt token ids from the built-in examples."""
-    from lmcache_backend.blend.segmenting import build_blend_prompt
-    from lmcache_backend.data.examples import builtin_examples, reordered
-
     # separator-free mode (""): the default separator only shapes the text, blocks are found in it
     kw = {"blend_special_str": separator} if separator else {}
     pairs = []
@@ -112,8 +114,6 @@ def builtin_prompts(tokenizer: Any, count: int = 4, separator: str | None = None
 def rerotation_error(adapter: Any, token_ids: Sequence[int], shift: int = 97, ops=None) -> float:
     """Relative error of layer-0 keys of ``token_ids`` re-rotated from positions ``0..n-1`` to
     ``shift..shift+n-1`` against the keys the adapter computes there."""
-    from lmcache_backend.ops import get_ops
-
     ops = ops or get_ops("torch")
     ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
     x = adapter.attention_input(0, adapter.embed(ids))
@@ -191,15 +191,11 @@ def adapter_checks(
 
     Only the first token is compared here (greedy agreement of the first token).
     """
-    from lmcache_backend.blend import LMCBlender, SegmentCache
-    from lmcache_backend.ops import get_ops
-
     ops = ops or get_ops(config.backend)
     store = InMemoryStore()
     cfg = config.replace(blend_min_tokens=min(config.blend_min_tokens, 16))
     full_cfg = cfg.replace(blend_recompute_ratios=[1.0])
     blender = LMCBlender(store, None, cfg, adapter, separator, ops)
-    full_blender = LMCBlender(store, None, full_cfg, adapter, separator, ops)
     segments = SegmentCache(store, adapter.fingerprint, separator)
     checks = [rerotation_check(adapter, prompts[0][1], ops)]
     stats = {
@@ -213,8 +209,8 @@ def adapter_checks(
             ref = blender.blend(list(again), torch.zeros(len(again), dtype=torch.bool)).logits
         else:
             ref = reference(again)
-        for label, b in (("ratio 1.0", full_blender), ("default", blender)):
-            res = b.blend(list(again))
+        for label, request_cfg in (("ratio 1.0", full_cfg), ("default", cfg)):
+            res = blender.blend(list(again), config=request_cfg)
             s = stats[label]
             s["diffs"].append(float((res.logits.float() - ref.float()).abs().max()))
             s["agree"] += int(int(res.logits.argmax()) == int(ref.argmax()))

@@ -14,6 +14,7 @@ Shapes: ``N`` tokens being computed, ``Hq``/``Hkv`` query/key-value heads, ``D``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +32,9 @@ class ModelAdapter(ABC):
         is_neox: RoPE pairing (True: split halves, False: interleaved).
         max_exact_tokens: longest prompt the blender's full attention reproduces exactly
             (a sliding window shorter than the prompt would make it differ), or None.
+        rope_rerotate_k: the engine's own re-rotation kernel, with the signature
+            ``(k [N, H, D], old_positions [N], new_positions [N])`` (in place), or None: the op
+            registry's ``rope_rerotate_k`` turns the keys.
     """
 
     num_layers: int
@@ -41,6 +45,7 @@ class ModelAdapter(ABC):
     is_neox: bool
     cos_sin_cache: torch.Tensor
     max_exact_tokens: int | None = None
+    rope_rerotate_k: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     @abstractmethod

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcache_backend.blend.blender import BlendResult, LMCBlender
+from lmcache_backend.blend import BlendResult, LMCBlender
 from lmcache_backend.blend.segment_cache import SegmentCache
 from lmcache_backend.blend.segmenting import segment_pattern
 from lmcache_backend.config import BlendConfig, load_config
@@ -122,24 +122,20 @@ class HFBlendEngine:
             tokenizer, self.config.blend_special_str, self.config.blend_block_size
         )
         self.segment_cache = SegmentCache(self.store, self.adapter.fingerprint, self.separator)
-        self._blenders: dict[tuple[float, ...], LMCBlender] = {}
+        self.blender = LMCBlender(
+            self.store, None, self.config, self.adapter, self.separator, self.ops
+        )
         self.stop_ids = {
             t
             for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
             if isinstance(t, int) and t >= 0
         }
 
-    def blender(self, ratios: Sequence[float] | None = None) -> LMCBlender:
-        """The blender for ``ratios`` (default: the configured ones), created once each."""
-        config = self.config
-        if ratios is not None:
-            config = config.replace(blend_recompute_ratios=list(ratios))
-        key = tuple(config.blend_recompute_ratios)
-        if key not in self._blenders:
-            self._blenders[key] = LMCBlender(
-                self.store, None, config, self.adapter, self.separator, self.ops
-            )
-        return self._blenders[key]
+    def request_config(self, ratios: Sequence[float] | None = None) -> BlendConfig:
+        """The settings of a request with ``ratios`` (default: the configured ones)."""
+        if ratios is None:
+            return self.config
+        return self.config.replace(blend_recompute_ratios=list(ratios))
 
     def full_prefill(self, token_ids: Sequence[int]) -> Prefill:
         """The model's own forward pass over the whole prompt (the quality reference)."""
@@ -151,7 +147,7 @@ class HFBlendEngine:
     ) -> Prefill:
         """CacheBlend prefill with ``ratios`` (default: the configured ones)."""
         start = time.perf_counter()
-        result = self.blender(ratios).blend(list(token_ids))
+        result = self.blender.blend(list(token_ids), config=self.request_config(ratios))
         result.logits.argmax()
         ttft = time.perf_counter() - start
         return Prefill(result.logits, result.keys, result.values, ttft, blend=result)

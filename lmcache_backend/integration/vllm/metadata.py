@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmcache_backend.config import BlendConfig
+
 
 @dataclass
 class LoadSpec:
@@ -15,8 +17,9 @@ class LoadSpec:
         block_ids: the request's blocks (first KV-cache group), covering tokens ``0..T-1``.
         prefix_len: tokens ``0..prefix_len-1`` already hold vLLM's own K/V (prefix-cache hit).
         end: the connector provides tokens ``prefix_len..end-1``; vLLM computes the rest.
-        recompute_ratios, check_layers: this request's schedule (None: the engine's).
-        selection: this request's token selector (None: the engine's).
+        config: this request's settings, its ``kv_transfer_params`` applied to the engine's and
+            checked (:func:`~lmcache_backend.integration.vllm.settings.request_config`); None:
+            the engine's.
         sliced: an asynchronous load (``blend_layers_per_step > 0``): the blend starts this
             step and advances a fixed number of layer passes per step; vLLM allocated blocks
             for tokens ``0..end-1`` only, and schedules the request once the worker reports it
@@ -28,9 +31,7 @@ class LoadSpec:
     block_ids: list[int]
     prefix_len: int
     end: int
-    recompute_ratios: list[float] | None = None
-    check_layers: list[int] | None = None
-    selection: str | None = None
+    config: BlendConfig | None = None
     sliced: bool = False
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
+from lmcache_backend.config import BlendConfig
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
 from lmcache_backend.models.fingerprint import ModelFingerprint
@@ -42,9 +43,8 @@ class _Claim:
     prefix_len: int
     end: int
     reusable: int
-    ratios: list[float] | None
-    layers: list[int] | None
-    selection: str | None
+    #: the request's own settings, or None: the engine's
+    config: BlendConfig | None
     sliced: bool = False
 
 
@@ -144,9 +144,7 @@ class SchedulerSide:
             prefix_len=num_computed_tokens,
             end=end,
             reusable=reusable,
-            ratios=list(config.blend_recompute_ratios) if own else None,
-            layers=list(config.blend_check_layers) if own else None,
-            selection=config.blend_selection if own else None,
+            config=config if own else None,
             sliced=self.settings.blend_layers_per_step > 0
             and config.blend_selection in PREVIEW_SELECTIONS,
         )
@@ -245,15 +243,7 @@ class SchedulerSide:
         rid: str, claim: _Claim, tokens: list[int], block_ids: list[int], sliced: bool = False
     ) -> LoadSpec:
         return LoadSpec(
-            rid,
-            tokens,
-            list(block_ids),
-            claim.prefix_len,
-            claim.end,
-            claim.ratios,
-            claim.layers,
-            claim.selection,
-            sliced=sliced,
+            rid, tokens, list(block_ids), claim.prefix_len, claim.end, claim.config, sliced
         )
 
     def finished(self, request: Any) -> None:

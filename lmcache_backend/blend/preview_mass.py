@@ -1,0 +1,43 @@
+"""The attention mass a preview collects: how much the query tokens (and the last token alone)
+read each key, weighted by the key's value norm, summed over layers."""
+
+from __future__ import annotations
+
+import torch
+
+from lmcache_backend.blend.request import BlendMetadata
+from lmcache_backend.blend.selection import attention_with_query_mass, value_norms
+
+
+class PreviewMass:
+    """Per-key scores of one preview, ``[T]`` fp32 each.
+
+    Attributes:
+        query: value-weighted attention mass from the query tokens (every row of the preview at
+            or after ``query_start``).
+        last: the same from the last prompt token alone (``query_preview_last``), or None.
+    """
+
+    def __init__(self, num_tokens: int, device: torch.device, with_last: bool) -> None:
+        self.query = torch.zeros(num_tokens, dtype=torch.float32, device=device)
+        self.last = torch.zeros_like(self.query) if with_last else None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        meta: BlendMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """One preview layer's attention ``[N, Hq, D]`` of the active tokens' ``q [N, Hq, D]``
+        over the layer's blended ``keys``/``values`` ``[T, Hkv, D]``; adds the mass the query
+        tokens (and the last token alone) give each key, weighted by its value norm."""
+        rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
+        positions = meta.positions[meta.active]
+        attn, mass, last = attention_with_query_mass(q, keys, values, positions, scale, rows)
+        norms = value_norms(values)
+        self.query.addcmul_(mass, norms)
+        if self.last is not None:
+            self.last.addcmul_(last, norms)
+        return attn

@@ -1,0 +1,133 @@
+"""Which kernels the blend's attention runs on inside vLLM, decided once at start-up.
+
+* vLLM's CPU paged attention (:class:`~lmcache_backend.integration.vllm.layouts.CpuAttention`):
+  the selected queries attend over the request's blocks, where the blend writes every row. Only
+  on vLLM's CPU backend, for a model without a sliding window, with the engine's block size.
+* the tiled CPU kernel (``selected_attention``: ``auto``, ``tiled`` or ``vllm``): attends over
+  the blend's contiguous K/V instead, reading each key block once per tile of queries.
+* vLLM's own forward pass (``engine_forward``): runs a fixed selection's tokens through the
+  compiled model over the paged cache.
+
+Without paged attention (any other backend) the blender attends with the op registry's
+``attention_at_positions`` and writes each finished layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmcache_backend.config import ConfigError
+from lmcache_backend.integration.vllm.engine_forward import EngineForward
+from lmcache_backend.integration.vllm.layouts import CpuAttention, CpuLayout, PagedLayout
+from lmcache_backend.integration.vllm.settings import ConnectorSettings
+from lmcache_backend.models.vllm import VLLMModelAdapter
+from lmcache_backend.ops.cpu_kernels import KernelUnavailable, TiledAttention, load_tiled_attention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SelectedAttention:
+    """The kernels of the blend's attention; None where one does not run here.
+
+    Attributes:
+        paged: vLLM's CPU paged attention over the request's blocks.
+        tiled: the tiled kernel over the blend's contiguous K/V (with ``paged`` only).
+        engine_forward: vLLM's forward pass of a fixed selection (with ``paged`` only).
+    """
+
+    paged: CpuAttention | None = None
+    tiled: TiledAttention | None = None
+    engine_forward: EngineForward | None = None
+
+
+def choose_attention(
+    settings: ConnectorSettings,
+    vllm_config: Any,
+    layer_names: list[str],
+    caches: list[torch.Tensor],
+    layout: PagedLayout,
+    model: VLLMModelAdapter,
+) -> SelectedAttention:
+    """The kernels for this engine, per its settings, layout and model.
+
+    Raises:
+        ConfigError: ``selected_attention="tiled"`` and the tiled kernel cannot run here.
+    """
+    paged = _paged_attention(vllm_config, layer_names, caches, layout, model)
+    if paged is None:
+        return SelectedAttention()
+    tiled = _tiled_attention(settings.selected_attention, caches[0].dtype, model)
+    engine_forward = None
+    if settings.engine_forward and EngineForward.available():
+        engine_forward = EngineForward(model.model, vllm_config, layer_names, paged, tiled)
+    return SelectedAttention(paged, tiled, engine_forward)
+
+
+def prepare_tiled_kernel(selected_attention: str) -> None:
+    """Build the tiled kernel now (about 30 s, the first time on a machine), not in the first
+    blended request's time to first token; whether it is used is decided later."""
+    if selected_attention == "vllm":
+        return
+    try:
+        load_tiled_attention()
+    except KernelUnavailable:
+        pass  # choose_attention logs why (or stops the engine for "tiled")
+
+
+def _paged_attention(
+    vllm_config: Any,
+    layer_names: list[str],
+    caches: list[torch.Tensor],
+    layout: PagedLayout,
+    model: VLLMModelAdapter,
+) -> CpuAttention | None:
+    """vLLM's CPU paged attention for the blender, where the layout and build allow it."""
+    if not isinstance(layout, CpuLayout) or not CpuAttention.available():
+        return None
+    if model.max_exact_tokens is not None:  # sliding window: the blender falls back
+        return None
+    if int(caches[0].shape[2]) != int(vllm_config.cache_config.block_size):
+        return None
+    import vllm.envs as envs
+
+    layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
+    return CpuAttention(
+        str(layer.isa),
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_dim,
+        caches[0].dtype,
+        bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
+    )
+
+
+def _tiled_attention(
+    choice: str, cache_dtype: torch.dtype, model: VLLMModelAdapter
+) -> TiledAttention | None:
+    """The blend's tiled kernel for the selected queries, per ``selected_attention``; the one
+    place that decides it (its users pass it the blend's K/V, in the model's dtype)."""
+    if choice == "vllm":
+        return None
+    if cache_dtype != torch.bfloat16:
+        reason = f"the tiled kernel needs a bf16 KV cache, this one is {cache_dtype}"
+    elif model.dtype != torch.bfloat16:
+        reason = f"the tiled kernel needs a bf16 model, this one is {model.dtype}"
+    elif model.head_dim % 32:
+        reason = f"the tiled kernel needs a head dim multiple of 32, not {model.head_dim}"
+    else:
+        try:
+            kernel = load_tiled_attention()
+        except KernelUnavailable as exc:
+            reason = str(exc)
+        else:
+            logger.info("CacheBlend: selected tokens attend with the tiled CPU kernel")
+            return kernel
+    if choice == "tiled":
+        raise ConfigError(f"selected_attention='tiled': {reason}")
+    logger.warning("CacheBlend: selected_attention=auto: %s; using vLLM's attention", reason)
+    return None

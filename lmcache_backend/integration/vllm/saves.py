@@ -1,0 +1,78 @@
+"""Saving: the segments of a prompt whose K/V are complete in the paged cache go to the store.
+
+Whichever path computed a prompt (vLLM's prefill or a blend), its segments are read back from the
+paged cache after the step's forward pass, those the store lacks. A segment holding rows a blend
+reused from the store is not stored again: its K/V are not a computation of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from lmcache_backend.blend.segment_cache import SegmentCache
+from lmcache_backend.integration.vllm.layouts import slots_for
+from lmcache_backend.integration.vllm.metadata import SaveSpec
+
+logger = logging.getLogger(__name__)
+
+#: requests whose reused rows are kept for their save; older ones (aborted before their save)
+#: are forgotten
+_MAX_PENDING = 4096
+
+#: ``slots [N] -> (keys, values)``, per layer ``[N, Hkv, D]`` each, read from the paged cache
+ReadRows = Callable[[torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+class SegmentSaver:
+    """Stores the segments of completed prompts.
+
+    Args:
+        segments: the store seen as segments of prompts.
+        read_rows: reads every layer's K/V rows at some slots of the paged cache.
+        block_size: tokens per block of the paged cache.
+    """
+
+    def __init__(self, segments: SegmentCache, read_rows: ReadRows, block_size: int) -> None:
+        self.segments = segments
+        self.read_rows = read_rows
+        self.block_size = block_size
+        self.stored_segments = 0
+        # request -> [T] bool: rows blended from the store (not vLLM's prefix)
+        self._reused: dict[str, torch.Tensor] = {}
+
+    def blended(self, req_id: str, valid_mask: torch.Tensor, prefix_len: int) -> None:
+        """A blend of ``req_id`` reused the rows of ``valid_mask`` (``[T]`` bool); its first
+        ``prefix_len`` were vLLM's own prefix-cache rows."""
+        reused = valid_mask.clone()
+        reused[:prefix_len] = False
+        if bool(reused.any()):
+            self._reused[req_id] = reused
+            while len(self._reused) > _MAX_PENDING:
+                self._reused.pop(next(iter(self._reused)))
+
+    @torch.inference_mode()
+    def save(self, spec: SaveSpec) -> int:
+        """Store the segments of ``spec``'s prompt the store lacks; returns how many."""
+        tokens = spec.token_ids
+        reused = self._reused.pop(spec.req_id, None)
+        # cached() covers the chunks only: the query tail is never stored. A unit holding rows
+        # blended from the store is not stored either (separator-free blocks can overlap a
+        # reused block found at another offset).
+        missing = [
+            seg
+            for seg, hit in self.segments.cached(tokens)
+            if not hit and (reused is None or not bool(reused[seg.start : seg.end].any()))
+        ]
+        if not missing:
+            return 0
+        slots = slots_for(spec.block_ids, self.block_size, 0, len(tokens))
+        stored = 0
+        for segment in missing:  # read back only the rows of the segments to store
+            keys, values = self.read_rows(slots[segment.start : segment.end])
+            stored += self.segments.store_segment(tokens, segment, keys, values)
+        self.stored_segments += stored
+        logger.debug("request %s: stored %d segments", spec.req_id, stored)
+        return stored

@@ -1,0 +1,62 @@
+"""Checks the worker runs once its model is known: the re-rotation (always) and, with
+``verify_on_start``, the model checks of ``lmcache-backend verify``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from lmcache_backend.blend.exactness import (
+    REROTATION_TOLERANCE,
+    adapter_checks,
+    builtin_prompts,
+    checks_passed,
+    format_checks,
+    rerotation_error,
+)
+from lmcache_backend.integration.vllm.settings import ConnectorSettings
+from lmcache_backend.models.vllm import VLLMModelAdapter
+from lmcache_backend.ops import Ops
+
+logger = logging.getLogger(__name__)
+
+
+def probe_tokens(vllm_config: Any) -> list[int]:
+    """96 token ids spread over the model's vocabulary."""
+    vocab = int(vllm_config.model_config.get_vocab_size())
+    return [(100 + 37 * i) % max(vocab, 1) for i in range(96)]
+
+
+def check_rerotation(model: VLLMModelAdapter, vllm_config: Any) -> None:
+    """Refuse to start when re-rotated cached keys would not equal fresh keys: the model's
+    positional encoding is not what the re-rotation assumes.
+
+    Raises:
+        RuntimeError: naming the model and the error found.
+    """
+    err = rerotation_error(model, probe_tokens(vllm_config))
+    limit = REROTATION_TOLERANCE.get(model.dtype, REROTATION_TOLERANCE[torch.bfloat16])
+    if not err <= limit:
+        raise RuntimeError(
+            f"CacheBlend cannot serve {type(model.model).__name__}: cached keys "
+            f"re-rotated to new positions differ from keys computed there (relative error "
+            f"{err:.2e} > {limit:.0e}); serve this model without the CacheBlend connector"
+        )
+
+
+def verify_on_start(
+    model: VLLMModelAdapter, vllm_config: Any, settings: ConnectorSettings, ops: Ops
+) -> None:
+    """``verify_on_start``: the model checks of ``lmcache-backend verify``, logged once."""
+    from transformers import AutoTokenizer
+
+    mc = vllm_config.model_config
+    tok = AutoTokenizer.from_pretrained(
+        str(mc.tokenizer), trust_remote_code=bool(mc.trust_remote_code)
+    )
+    prompts = builtin_prompts(tok, 2, settings.config.blend_special_str)
+    checks = adapter_checks(model, settings.separator, prompts, settings.config, ops=ops)
+    text = format_checks("CacheBlend start-up verification", checks)
+    (logger.info if checks_passed(checks) else logger.warning)("%s", text)
