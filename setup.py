@@ -27,7 +27,10 @@ setup(
         "lmcache_backend.backends": "backends",
         "lmcache_backend.patches": "patches",
     },
-    package_data={"lmcache_backend": ["data/*.jsonl", "ops/*.cpp"]},
+    package_data={
+        "lmcache_backend": ["data/*.jsonl"],
+        "lmcache_backend.backends.cpu": ["*.cpp"],
+    },
     install_requires=[
         "torch>=2.4",
         "pyyaml>=6",
@@ -35,7 +38,7 @@ setup(
         "safetensors>=0.4",
         "numpy>=1.24",
         "redis>=5.0",
-        # builds the CPU tiled-attention kernel (lmcache_backend/ops/cpu_kernels.py)
+        # builds the CPU tiled-attention kernel (backends/cpu/tiled_attention.py)
         "ninja>=1.11",
     ],
     extras_require={

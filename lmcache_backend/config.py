@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "LMCACHE_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
-BACKEND_CHOICES = ("auto", "torch", "cuda", "ascend")
+BACKEND_CHOICES = ("auto", "torch", "cpu", "cuda", "ascend")
 # Token selectors (lmcache_backend.blend.selection.SCORERS); kv_deviation is LMCache's.
 SELECTION_CHOICES = (
     "kv_deviation",
@@ -159,7 +159,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "preview selections choose aligned spans of this many consecutive tokens (1: tokens)",
     ),
     ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
-    ConfigKey("backend", str, "auto", "op backend: auto, torch, cuda or ascend"),
+    ConfigKey("backend", str, "auto", "op backend: auto, torch, cpu, cuda or ascend"),
     ConfigKey("use_layerwise", _parse_bool, True, "LMCache key; blending is always layerwise"),
     ConfigKey("local_cpu", _parse_bool, True, "keep segments in CPU memory"),
     ConfigKey("max_local_cpu_size", float, 5.0, "CPU segment store capacity in GB"),

@@ -265,16 +265,19 @@ def test_load_raises_with_the_device_reason(monkeypatch: pytest.MonkeyPatch) -> 
         backend.load()
 
 
-def test_load_returns_every_op_when_a_device_is_usable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmcache_backend.ops import OP_NAMES, device
+def test_every_op_is_registered_when_a_device_is_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmcache_backend.ops import OP_NAMES, _load_backend, device, implementations
 
     backend = import_ascend_backend()
     monkeypatch.setattr(device, "npu_unavailable_reason", lambda: None)
-    ops = backend.load()
+    backend.load()
+    ops = implementations("ascend")
     assert set(ops) == set(OP_NAMES)
     for name, fn in ops.items():
         assert fn.__name__ == name and fn.__module__.startswith(ASCEND_MODULE)
-    assert set(backend.VERIFIERS) <= set(OP_NAMES)
+    loaded = _load_backend("ascend")
+    assert dict(loaded.served_by) == dict.fromkeys(OP_NAMES, "ascend")
+    assert set(loaded.verifiers) <= set(OP_NAMES)
 
 
 _ACCELERATORS = ("cuda", "npu")

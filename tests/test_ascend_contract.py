@@ -27,7 +27,7 @@ from test_ascend_common import (
     query_positions,
 )
 
-from lmcache_backend.ops import reference
+from lmcache_backend.ops import implementations, reference
 
 backend = import_ascend_backend()
 from lmcache_backend.backends.ascend import (  # noqa: E402
@@ -49,7 +49,7 @@ def ops() -> Iterator[SimpleNamespace]:
     """The backend's ops, with torch_npu replaced by the emulation and its call counts reset."""
     npu_emulation.CALLS.clear()
     with _npu.use_npu_module(npu_emulation):
-        yield SimpleNamespace(**backend.OPS)
+        yield SimpleNamespace(**implementations("ascend"))
 
 
 # ----------------------------------------------------------------------------------- RoPE
@@ -322,13 +322,20 @@ def test_emulated_gqa_grouping_is_consecutive():
 # ------------------------------------------------------------------------------ verifiers
 
 
+def _verifier(op: str):
+    """The Ascend backend's verifier of ``op``, as registered."""
+    from lmcache_backend.ops import _REGISTERED
+
+    return _REGISTERED["ascend"][op][1]
+
+
 def test_verifiers_decline_cpu_tensors():
     k = torch.randn(4, 2, 64)
     cache = torch.zeros(16, 64)
     pos = torch.arange(4)
-    assert "not npu" in backend.VERIFIERS["rope_rerotate_k"](k, pos, pos, cache, True)
-    assert "not npu" in backend.VERIFIERS["attention_at_positions"](k, k, k, pos, 1.0)
-    assert "not npu" in backend.VERIFIERS["scatter_rows"](k, pos, k)
+    assert "not npu" in _verifier("rope_rerotate_k")(k, pos, pos, cache, True)
+    assert "not npu" in _verifier("attention_at_positions")(k, k, k, pos, 1.0)
+    assert "not npu" in _verifier("scatter_rows")(k, pos, k)
 
 
 def test_dtype_and_shape_reasons():

@@ -59,11 +59,13 @@ def test_cuda_kernels_blend_like_the_reference(warmed) -> None:
 
 
 def test_ascend_ops_blend_like_the_reference(warmed) -> None:
-    from lmcache_backend.backends import ascend
+    from lmcache_backend.backends import ascend  # noqa: F401 - importing it registers its ops
     from lmcache_backend.backends.ascend import _npu
+    from lmcache_backend.ops import implementations
 
     adapter, store = warmed
-    ops = Ops(name="ascend-emulated", **{name: ascend.OPS[name] for name in OP_NAMES})
+    registered = implementations("ascend")
+    ops = Ops(name="ascend-emulated", **{name: registered[name] for name in OP_NAMES})
     npu_emulation.CALLS.clear()
     with _npu.use_npu_module(npu_emulation):
         result = _blend(adapter, store, ops)

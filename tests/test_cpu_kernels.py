@@ -1,5 +1,6 @@
-"""The blend's tiled CPU attention kernel (``lmcache_backend/ops/cpu_tiled_attention.cpp``)
-against the torch reference, and how the connector picks it (``selected_attention``).
+"""The blend's tiled CPU attention kernel (``backends/cpu/tiled_attention.cpp``), the CPU
+backend's ``attention_at_positions``, against the torch reference, and how the connector picks it
+(``selected_attention``).
 
 The kernel runs only on x86-64 with AVX-512 BF16; elsewhere its numeric tests are skipped with
 the reason and the connector keeps vLLM's attention (tested here with the loader failing).
@@ -13,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lmcache_backend.backends.cpu import tiled_attention as cpu_kernels
 from lmcache_backend.config import ConfigError
-from lmcache_backend.ops import cpu_kernels
 from lmcache_backend.ops.reference import attention_at_positions
 
 REASON = cpu_kernels.unsupported_reason()
@@ -106,63 +107,97 @@ def test_unsupported_cpu_gets_a_reason(monkeypatch) -> None:
     assert "x86-64" in cpu_kernels.unsupported_reason()
 
 
-def _choice(choice: str, dtype=torch.bfloat16, head_dim: int = 64, model_dtype=torch.bfloat16):
-    """What ``attention_choice._tiled_attention`` reads: the setting, the KV cache's dtype and
-    the model."""
-    return choice, dtype, SimpleNamespace(head_dim=head_dim, dtype=model_dtype)
+def _model(head_dim: int = 64, dtype=torch.bfloat16):
+    """What ``attention_choice._tiled_attention`` reads of the model."""
+    return SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
 
 
-def test_selected_attention_choice(monkeypatch, caplog) -> None:
+def _cpu_ops(kernel):
+    """The CPU backend's op set with ``kernel`` as its ``attention_at_positions`` (and the real
+    verifier), without building anything."""
+    from dataclasses import replace
+
+    from lmcache_backend.ops import get_ops
+
+    return replace(
+        get_ops("torch"),
+        name="cpu",
+        attention_at_positions=kernel,
+        served_by=(("attention_at_positions", "cpu"),),
+        verifiers={"attention_at_positions": cpu_kernels.verify_attention_at_positions},
+    )
+
+
+def test_selected_attention_choice(caplog) -> None:
     """``auto`` falls back to vLLM's attention with a warning saying why; ``tiled`` stops the
-    engine with an error naming the key; ``vllm`` never loads the kernel."""
+    engine with an error naming the key; ``vllm`` never uses the kernel. The kernel is the op
+    registry's ``attention_at_positions``, taken where the CPU backend serves it and its
+    verifier accepts the model's queries."""
     pytest.importorskip("vllm")
-    from lmcache_backend.integration.vllm import attention_choice as worker_module
+    from dataclasses import replace
 
-    def pick(args):
-        return worker_module._tiled_attention(*args)
+    from lmcache_backend.integration.vllm.attention_choice import _tiled_attention as pick
+    from lmcache_backend.ops import get_ops
 
-    def unavailable():
-        raise cpu_kernels.KernelUnavailable("tiled attention needs the CPU flags avx512_bf16")
-
-    monkeypatch.setattr(worker_module, "load_tiled_attention", unavailable)
+    no_kernel = replace(
+        get_ops("torch"),
+        fallback_reason="cpu backend: tiled attention needs the CPU flags avx512_bf16",
+    )
+    bf16 = torch.bfloat16
     with caplog.at_level(logging.WARNING):
-        assert pick(_choice("auto")) is None
+        assert pick("auto", bf16, _model(), no_kernel) is None
     assert "selected_attention=auto" in caplog.text and "avx512_bf16" in caplog.text
     with pytest.raises(ConfigError, match="selected_attention='tiled'.*avx512_bf16"):
-        pick(_choice("tiled"))
-    with pytest.raises(ConfigError, match="bf16 KV cache"):
-        pick(_choice("tiled", torch.float32))
-    with pytest.raises(ConfigError, match="bf16 model, this one is torch.float16"):
-        pick(_choice("tiled", model_dtype=torch.float16))
-    with pytest.raises(ConfigError, match="head dim multiple of 32, not 80"):
-        pick(_choice("tiled", head_dim=80))
-    assert pick(_choice("vllm")) is None
+        pick("tiled", bf16, _model(), no_kernel)
     sentinel = object()
-    monkeypatch.setattr(worker_module, "load_tiled_attention", lambda: sentinel)
-    assert pick(_choice("auto")) is sentinel
-    assert pick(_choice("vllm")) is None
+    ops = _cpu_ops(sentinel)
+    with pytest.raises(ConfigError, match="bf16 KV cache"):
+        pick("tiled", torch.float32, _model(), ops)
+    with pytest.raises(ConfigError, match="bf16 q/k/v, got torch.float16"):
+        pick("tiled", bf16, _model(dtype=torch.float16), ops)
+    with pytest.raises(ConfigError, match="head dim multiple of 32.*80"):
+        pick("tiled", bf16, _model(head_dim=80), ops)
+    assert pick("vllm", bf16, _model(), ops) is None
+    assert pick("auto", bf16, _model(), ops) is sentinel
+    assert pick("tiled", bf16, _model(), ops) is sentinel
 
 
-@pytest.mark.parametrize("choice, builds", [("auto", 1), ("tiled", 1), ("vllm", 0)])
-def test_kernel_is_built_when_the_caches_are_registered(monkeypatch, choice, builds) -> None:
-    """The kernel is built at engine start, not in the first blended request's TTFT; a kernel
-    that cannot run does not stop the start there (``choose_attention`` decides later)."""
+def test_op_set_is_loaded_when_the_caches_are_registered(monkeypatch) -> None:
+    """The op set (the CPU backend builds its kernel then) is loaded at engine start, not in the
+    first blended request's TTFT, and the caches are ordered by layer index."""
     pytest.importorskip("vllm")
-    from lmcache_backend.integration.vllm import attention_choice
     from lmcache_backend.integration.vllm import worker as worker_module
 
     calls = []
-
-    def unavailable():
-        calls.append(1)
-        raise cpu_kernels.KernelUnavailable("tiled attention needs the CPU flags avx512_bf16")
-
-    monkeypatch.setattr(attention_choice, "load_tiled_attention", unavailable)
+    monkeypatch.setattr(worker_module, "get_ops", lambda name: calls.append(name))
     side = SimpleNamespace(
-        settings=SimpleNamespace(selected_attention=choice),
+        settings=SimpleNamespace(config=SimpleNamespace(backend="auto"), tp_size=1),
         profile=SimpleNamespace(kv_transfer_after_model_load=False),
     )
+    side._ops = lambda: worker_module.WorkerSide._ops(side)
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(1) for i in (1, 0)}
     worker_module.WorkerSide.register_kv_caches(side, caches)
-    assert len(calls) == builds
+    assert calls == ["auto"]
     assert side.layer_names == ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def test_cpu_backend_serves_attention_at_positions_with_the_kernel() -> None:
+    """``get_ops("cpu")``: the tiled kernel is ``attention_at_positions``, equal to the reference
+    within bf16 rounding; a call it cannot serve (fp32) goes to the reference."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from lmcache_backend.ops import get_ops
+    from lmcache_backend.ops.reference import attention_at_positions
+
+    ops = get_ops("cpu")
+    assert ops.native("attention_at_positions") and not ops.native("rope_rerotate_k")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 64, generator=g)
+    k, v = (torch.randn(40, 2, 64, generator=g) for _ in range(2))
+    positions = torch.tensor([3, 10, 11, 30, 39])
+    want = attention_at_positions(q, k, v, positions, 0.125)
+    got = ops.attention_at_positions(q.bfloat16(), k.bfloat16(), v.bfloat16(), positions, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert ops.decline_reason("attention_at_positions", q, k, v, positions, 0.125)
+    torch.testing.assert_close(ops.attention_at_positions(q, k, v, positions, 0.125), want)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from conftest import assert_close, nan_like
 
-from lmcache_backend.backends import cuda as cuda_backend
 from lmcache_backend.backends.cuda.attention import attention_at_positions
 from lmcache_backend.ops import get_ops
 
@@ -48,7 +47,7 @@ def attend_both(q, k, v, positions, scale):
     """Kernel result (checking it is not declined) and the reference result."""
     args = (q, k, v, positions, scale)
     cuda = get_ops("cuda")
-    assert cuda_backend.VERIFIERS["attention_at_positions"](*args) is None
+    assert get_ops("cuda").verifiers["attention_at_positions"](*args) is None
     result = cuda.attention_at_positions(*args)
     expected = get_ops("torch").attention_at_positions(*args)
     assert result.shape == expected.shape and result.dtype == q.dtype

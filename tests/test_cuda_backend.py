@@ -39,7 +39,7 @@ def test_every_op_is_served_by_the_kernels():
     ops = get_ops("cuda")
     assert ops.name == "cuda"
     assert dict(ops.served_by) == {op: "cuda" for op in OP_NAMES}
-    assert set(cuda_backend.VERIFIERS) == set(OP_NAMES)
+    assert set(ops.verifiers) == set(OP_NAMES)
 
 
 def test_without_cuda_or_interpreter_get_ops_raises_with_the_reason():
@@ -76,7 +76,7 @@ def test_unavailable_reason_is_none_here():
 
 def declined(op: str, *args) -> str:
     get_ops("cuda")
-    reason = cuda_backend.VERIFIERS[op](*args)
+    reason = get_ops("cuda").verifiers[op](*args)
     assert isinstance(reason, str) and reason
     return reason
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from conftest import assert_close
 
-from lmcache_backend.backends import cuda as cuda_backend
 from lmcache_backend.backends.cuda.deviation import masked_token_deviation
 from lmcache_backend.ops import get_ops
 from lmcache_backend.ops.reference import token_deviation
@@ -38,7 +37,7 @@ def select_both(k_fresh, k_cached, valid, ratio, num_reusable=None) -> torch.Ten
     """Kernel result (checking it is not declined), asserted equal to the reference's."""
     args = (k_fresh, k_cached, valid, ratio, num_reusable)
     cuda = get_ops("cuda")
-    assert cuda_backend.VERIFIERS["kv_deviation_topk"](*args) is None
+    assert get_ops("cuda").verifiers["kv_deviation_topk"](*args) is None
     result = cuda.kv_deviation_topk(*args)
     expected = get_ops("torch").kv_deviation_topk(*args)
     assert result.dtype == torch.int64
@@ -123,7 +122,7 @@ def test_empty_input():
     fresh = torch.empty(0, 2, 64, device=DEVICE)
     args = (fresh, fresh.clone(), torch.empty(0, dtype=torch.bool, device=DEVICE), 0.5)
     cuda = get_ops("cuda")
-    assert cuda_backend.VERIFIERS["kv_deviation_topk"](*args) is None
+    assert get_ops("cuda").verifiers["kv_deviation_topk"](*args) is None
     selected = cuda.kv_deviation_topk(*args)
     assert selected.dtype == torch.int64 and selected.shape == (0,)
 

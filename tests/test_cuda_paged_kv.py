@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import assert_close, nan_like
 
-from lmcache_backend.backends import cuda as cuda_backend
 from lmcache_backend.backends.cuda.paged_kv import paged_kv_read
 from lmcache_backend.ops import get_ops
 
@@ -25,7 +24,7 @@ def dtype_id(dtype: torch.dtype) -> str:
 
 def check_served(op: str, *args) -> None:
     get_ops("cuda")  # loads the backend, which fills VERIFIERS
-    assert cuda_backend.VERIFIERS[op](*args) is None, f"{op} was declined"
+    assert get_ops("cuda").verifiers[op](*args) is None, f"{op} was declined"
 
 
 def random_slots(num_tokens: int, num_blocks: int, gen: torch.Generator, padding: int = 0):

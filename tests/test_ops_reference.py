@@ -240,7 +240,7 @@ def test_registry_names_and_errors(monkeypatch) -> None:
         get_ops("tpu")
     monkeypatch.setenv("LMCACHE_BACKEND", "torch")
     assert get_ops().name == "torch"
-    assert get_ops("auto").name in ("torch", "cuda", "ascend")
+    assert get_ops("auto").name in ("torch", "cpu", "cuda", "ascend")
 
 
 def test_paged_copy_on_strided_cache_view() -> None:

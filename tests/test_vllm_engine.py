@@ -7,7 +7,6 @@ then the same chunks reordered are served again.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -74,35 +73,29 @@ class Engine:
     ``(text, num_cached_tokens, blend record or None)``."""
 
     def __init__(self, tmp_path, prefix_caching: bool, connector: bool = True) -> None:
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
+        from lmcache_backend.integration.vllm.offline import offline_engine
 
         self.path = _model_path()
-        self.stats = tmp_path / "blend.jsonl"
-        extra = {"stats_file": str(self.stats)}
-        kv = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=extra) if connector else None
-        self.llm = LLM(
-            model=self.path,
-            kv_transfer_config=kv,
+        self.stats = str(tmp_path / "blend.jsonl")
+        self.llm = offline_engine(
+            self.path,
+            stats_file=self.stats,
+            connector=connector,
             enable_prefix_caching=prefix_caching,
-            enforce_eager=True,
             max_model_len=2048,
-            seed=0,
         )
         self.prompts = _prompts(self.path)
 
     def records(self) -> list[dict]:
-        if not self.stats.exists():
-            return []
-        return [json.loads(line) for line in self.stats.read_text().splitlines()]
+        from lmcache_backend.integration.vllm.offline import read_records
+
+        return read_records(self.stats)
 
     def run(self, name: str, **params) -> tuple[str, int, dict | None]:
-        from vllm import SamplingParams
+        from lmcache_backend.integration.vllm.offline import generate_one
 
-        extra = {"kv_transfer_params": params} if params else None
-        sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, extra_args=extra)
         before = len(self.records())
-        out = self.llm.generate([{"prompt_token_ids": self.prompts[name]}], sp, use_tqdm=False)[0]
+        out = generate_one(self.llm, self.prompts[name], MAX_TOKENS, params or None)
         new = self.records()[before:]
         return out.outputs[0].text, out.num_cached_tokens, (new[-1] if new else None)
 

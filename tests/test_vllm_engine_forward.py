@@ -28,7 +28,7 @@ import textwrap
 import pytest
 from vllm_scripts import run_blend_script
 
-from lmcache_backend.ops.cpu_kernels import unsupported_reason
+from lmcache_backend.backends.cpu.tiled_attention import unsupported_reason
 
 pytest.importorskip("vllm")
 
@@ -52,15 +52,14 @@ SCRIPT = textwrap.dedent(
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     import lmcache_backend.blend.preview as preview_module
     from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.data.examples import builtin_examples
-    from lmcache_backend.integration.vllm import kv_transfer_config
     from lmcache_backend.integration.vllm.layouts import slots_for
+    from lmcache_backend.integration.vllm.offline import offline_engine
 
     if __name__ == "__main__":
         stats = sys.argv[1]
@@ -72,9 +71,8 @@ SCRIPT = textwrap.dedent(
                                      ex.question).token_ids
             for name, order in {"warm": [0, 1, 2, 3, 4, 5], "reordered": [4, 2, 0, 5, 3, 1]}.items()
         }
-        kv = KVTransferConfig(**kv_transfer_config(stats, profile=True))
-        llm = LLM(model=path, kv_transfer_config=kv, max_model_len=2048, seed=0,
-                  enable_prefix_caching=False)
+        llm = offline_engine(path, stats_file=stats, extra_config={"profile": True},
+                             enforce_eager=False, max_model_len=2048)
         worker = get_kv_transfer_group()._worker
         captured = []
         load = worker.load

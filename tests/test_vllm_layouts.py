@@ -100,8 +100,8 @@ def test_paged_attention_benchmark_times_spans_of_each_length() -> None:
     """``bench.paged_attention --spans``: per span length, the time and pair shares of a
     selection in aligned spans against a full prefill's."""
     pytest.importorskip("vllm._custom_ops")
+    from lmcache_backend.backends.cpu.tiled_attention import unsupported_reason
     from lmcache_backend.bench.paged_attention import measure_spans
-    from lmcache_backend.ops.cpu_kernels import unsupported_reason
 
     shares = measure_spans(256, 0.25, [1, 8], 16, repeats=1)
     assert list(shares) == [1, 8]

@@ -28,12 +28,12 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.data.examples import builtin_examples
+    from lmcache_backend.integration.vllm.offline import offline_engine
 
     ORDERS = {"warm": [0, 1, 2, 3], "other": [3, 2, 1, 0], "reordered": [2, 0, 3, 1],
               "same_start": [0, 3, 1, 2]}
@@ -102,15 +102,9 @@ SCRIPT = textwrap.dedent(
                                      ex.question).token_ids
             for name, order in ORDERS.items()
         }
-        extra = {"stats_file": stats, "blend_layers_per_step": per_step}
-        kv = KVTransferConfig(
-            kv_connector="CacheBlendConnector",
-            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        )
-        llm = LLM(model=path, kv_transfer_config=kv, enforce_eager=True, max_model_len=2048,
-                  seed=0, enable_prefix_caching=prefix)
+        llm = offline_engine(path, stats_file=stats, max_model_len=2048,
+                             extra_config={"blend_layers_per_step": per_step},
+                             enable_prefix_caching=prefix)
         sp = SamplingParams(temperature=0, max_tokens=10)
         result = {"answers": {}}
         # with prefix caching, "same_start" shares whole blocks with "warm" (vLLM's own hit)

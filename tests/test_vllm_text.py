@@ -23,11 +23,11 @@ pytest.importorskip("vllm")
 SCRIPT = textwrap.dedent(
     """
     import json, os, sys
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.data.examples import builtin_examples
     from lmcache_backend.blend.segmenting import chat_messages, segment_pattern
+    from lmcache_backend.integration.vllm.offline import offline_engine
 
     def messages(mode, ex, order, question):
         chunks = [ex.chunks[i] for i in order]
@@ -43,14 +43,7 @@ SCRIPT = textwrap.dedent(
         mode, stats = sys.argv[1], sys.argv[2]
         path = str(embedded_model_path())
         ex = builtin_examples(1, chunks_per_example=4)[0]
-        kv = KVTransferConfig(
-            kv_connector="CacheBlendConnector",
-            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"stats_file": stats},
-        )
-        llm = LLM(model=path, kv_transfer_config=kv, enforce_eager=True, max_model_len=2048,
-                  seed=0, enable_prefix_caching=False)
+        llm = offline_engine(path, stats_file=stats, max_model_len=2048)
         sp = SamplingParams(temperature=0, max_tokens=8)
         special = os.environ.get("LMCACHE_BLEND_SPECIAL_STR", " # # ")
         pattern = segment_pattern(llm.get_tokenizer(), special)

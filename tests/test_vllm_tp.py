@@ -22,11 +22,11 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.data.examples import builtin_examples
     from lmcache_backend.blend.segmenting import build_blend_prompt, separator_pattern
+    from lmcache_backend.integration.vllm.offline import offline_engine
 
     def params(**kw):
         extra = {"kv_transfer_params": kw} if kw else None
@@ -38,15 +38,9 @@ SCRIPT = textwrap.dedent(
         ex = builtin_examples(1, chunks_per_example=3)[0]
         first = build_blend_prompt(tok, ex.system, ex.chunks, ex.question).token_ids
         again = build_blend_prompt(tok, ex.system, ex.chunks[::-1], ex.question).token_ids
-        kv = KVTransferConfig(
-            kv_connector="CacheBlendConnector",
-            kv_connector_module_path="lmcache_backend.integration.vllm.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"stats_file": sys.argv[1],
-                                       "blend_layers_per_step": int(sys.argv[2])},
-        )
-        llm = LLM(model=path, kv_transfer_config=kv, tensor_parallel_size=3, enforce_eager=True,
-                  max_model_len=2048, seed=0, enable_prefix_caching=False)
+        llm = offline_engine(path, stats_file=sys.argv[1], tensor_parallel_size=3,
+                             extra_config={"blend_layers_per_step": int(sys.argv[2])},
+                             max_model_len=2048)
         run = lambda ids, p: llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False)[0]
         warm = run(first, params())
         plain = run(again, params(blend=False))

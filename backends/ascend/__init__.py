@@ -17,52 +17,19 @@ One module per op family; each calls torch_npu's fused operators through
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from lmcache_backend.backends.ascend.attention import (
-    attention_at_positions,
-    verify_attention_at_positions,
-)
-from lmcache_backend.backends.ascend.deviation import kv_deviation_topk
-from lmcache_backend.backends.ascend.paged_kv import (
-    paged_kv_read,
-    paged_kv_write,
-    verify_paged_kv_read,
-    verify_paged_kv_write,
-)
-from lmcache_backend.backends.ascend.rope import rope_rerotate_k, verify_rope_rerotate_k
-from lmcache_backend.backends.ascend.rows import (
-    gather_rows,
-    scatter_rows,
-    verify_gather_rows,
-    verify_scatter_rows,
+# the op modules register their ops when imported; none of them imports torch_npu
+from lmcache_backend.backends.ascend import (  # noqa: F401
+    attention,
+    deviation,
+    paged_kv,
+    rope,
+    rows,
 )
 from lmcache_backend.ops import BackendUnavailable, device
 
-OPS: dict[str, Callable] = {
-    "rope_rerotate_k": rope_rerotate_k,
-    "kv_deviation_topk": kv_deviation_topk,
-    "gather_rows": gather_rows,
-    "scatter_rows": scatter_rows,
-    "attention_at_positions": attention_at_positions,
-    "paged_kv_write": paged_kv_write,
-    "paged_kv_read": paged_kv_read,
-}
 
-# A verifier returns a reason to send a call to the torch reference instead (tensors not on an
-# NPU, or a dtype/shape the fused operator does not take), else None.
-VERIFIERS: dict[str, Callable[..., str | None]] = {
-    "rope_rerotate_k": verify_rope_rerotate_k,
-    "gather_rows": verify_gather_rows,
-    "scatter_rows": verify_scatter_rows,
-    "attention_at_positions": verify_attention_at_positions,
-    "paged_kv_write": verify_paged_kv_write,
-    "paged_kv_read": verify_paged_kv_read,
-}
-
-
-def load() -> dict[str, Callable]:
-    """Return the ops this backend implements.
+def load() -> None:
+    """Make the ops available (they registered when this package was imported).
 
     Raises:
         BackendUnavailable: no usable NPU here; the message says what is missing
@@ -71,7 +38,3 @@ def load() -> dict[str, Callable]:
     reason = device.npu_unavailable_reason()
     if reason is not None:
         raise BackendUnavailable(reason)
-    return dict(OPS)
-
-
-__all__ = ["OPS", "VERIFIERS", "load", *OPS]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lmcache_backend.backends.ascend._npu import npu, on_npu_reason
+from lmcache_backend.ops import register
 
 # Queries per call: the [block, Nk] mask of one block stays small (1024 x 32k = 32 MB of bool).
 _QUERY_BLOCK = 1024
@@ -140,3 +141,6 @@ def verify_attention_at_positions(
 ) -> str | None:
     """Verifier for the op registry: only the device matters (other shapes run composed)."""
     return on_npu_reason(q, k, v)
+
+
+register("ascend", "attention_at_positions", attention_at_positions, verify_attention_at_positions)

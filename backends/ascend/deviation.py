@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from lmcache_backend.ops import register
 from lmcache_backend.ops.reference import selection_count
 
 
@@ -40,3 +41,6 @@ def kv_deviation_topk(
         keep = keep.index_fill(0, top, True)
     # nonzero yields ascending int64 indices, so no sort of the selection is needed.
     return torch.nonzero(keep, as_tuple=False).flatten().to(torch.int64)
+
+
+register("ascend", "kv_deviation_topk", kv_deviation_topk)

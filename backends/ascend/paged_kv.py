@@ -16,6 +16,7 @@ import torch
 
 from lmcache_backend.backends.ascend._npu import npu, on_npu_reason
 from lmcache_backend.backends.ascend.rows import SCATTER_DTYPES
+from lmcache_backend.ops import register
 
 # Cache dtypes _npu_reshape_and_cache takes; it wants int32 slot indices.
 _RESHAPE_AND_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
@@ -113,3 +114,7 @@ def verify_paged_kv_read(
 ) -> str | None:
     """Verifier for the op registry."""
     return on_npu_reason(key_cache, value_cache)
+
+
+register("ascend", "paged_kv_write", paged_kv_write, verify_paged_kv_write)
+register("ascend", "paged_kv_read", paged_kv_read, verify_paged_kv_read)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from lmcache_backend.backends.ascend._npu import npu, on_npu_reason
+from lmcache_backend.ops import register
 
 # npu_rotary_mul input/r1/r2 dtypes; the rotation itself runs in fp32 here.
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -105,3 +106,6 @@ def rope_unsupported_reason(
 def verify_rope_rerotate_k(k: torch.Tensor, *args, **kwargs) -> str | None:
     """Verifier for the op registry: decline calls the fused op cannot take."""
     return on_npu_reason(k) or rope_unsupported_reason(k, *args, **kwargs)
+
+
+register("ascend", "rope_rerotate_k", rope_rerotate_k, verify_rope_rerotate_k)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lmcache_backend.backends.ascend._npu import npu, on_npu_reason
+from lmcache_backend.ops import register
 
 # Storage dtypes npu_scatter_nd_update_ accepts on Atlas A2/A3.
 SCATTER_DTYPES = (
@@ -57,3 +58,7 @@ def verify_scatter_rows(dst: torch.Tensor, indices: torch.Tensor, src: torch.Ten
 def verify_gather_rows(x: torch.Tensor, indices: torch.Tensor) -> str | None:
     """Verifier for the op registry."""
     return on_npu_reason(x)
+
+
+register("ascend", "gather_rows", gather_rows, verify_gather_rows)
+register("ascend", "scatter_rows", scatter_rows, verify_scatter_rows)

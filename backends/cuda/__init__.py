@@ -2,7 +2,8 @@
 ``lmcache_backend.backends.cuda``).
 
 Each op family lives in its own module (a private ``_<op>_kernel`` and a public launcher with the
-op's name, plus a ``verify_<op>`` that declines calls the kernel cannot serve). Those modules
+op's name, plus a ``verify_<op>`` that declines calls the kernel cannot serve), which registers
+them with the op registry (:func:`lmcache_backend.ops.register`) when imported. Those modules
 import Triton, so they are imported by :func:`load` only: importing this package never needs
 Triton or a GPU.
 
@@ -13,16 +14,12 @@ interpreter when ``TRITON_INTERPRET=1`` (how they are tested without a GPU).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 
 import torch
 
 from lmcache_backend.ops import BackendUnavailable
 
 from ._common import interpret_mode
-
-# Filled by load(): op name -> verifier returning a reason to decline a call, or None.
-VERIFIERS: dict[str, Callable[..., str | None]] = {}
 
 
 def unavailable_reason() -> str | None:
@@ -37,8 +34,8 @@ def unavailable_reason() -> str | None:
     )
 
 
-def load() -> dict[str, Callable]:
-    """Return the ops this backend implements.
+def load() -> None:
+    """Import the kernel modules, which register their ops with the registry.
 
     Raises:
         BackendUnavailable: the kernels cannot run here (the message says why).
@@ -47,27 +44,6 @@ def load() -> dict[str, Callable]:
     if reason is not None:
         raise BackendUnavailable(reason)
     try:
-        from . import attention, deviation, paged_kv, rope, rows
+        from . import attention, deviation, paged_kv, rope, rows  # noqa: F401
     except Exception as exc:  # a broken Triton install fails in many ways
         raise BackendUnavailable(f"the Triton kernels failed to import: {exc}") from exc
-
-    VERIFIERS.update(
-        {
-            "rope_rerotate_k": rope.verify_rope_rerotate_k,
-            "kv_deviation_topk": deviation.verify_kv_deviation_topk,
-            "gather_rows": rows.verify_gather_rows,
-            "scatter_rows": rows.verify_scatter_rows,
-            "attention_at_positions": attention.verify_attention_at_positions,
-            "paged_kv_write": paged_kv.verify_paged_kv_write,
-            "paged_kv_read": paged_kv.verify_paged_kv_read,
-        }
-    )
-    return {
-        "rope_rerotate_k": rope.rope_rerotate_k,
-        "kv_deviation_topk": deviation.kv_deviation_topk,
-        "gather_rows": rows.gather_rows,
-        "scatter_rows": rows.scatter_rows,
-        "attention_at_positions": attention.attention_at_positions,
-        "paged_kv_write": paged_kv.paged_kv_write,
-        "paged_kv_read": paged_kv.paged_kv_read,
-    }

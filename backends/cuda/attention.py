@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmcache_backend.ops import register
+
 from ._common import device_of, device_reason, float_dtype_reason, index_reason, interpret_mode
 
 _LOG2E = 1.4426950408889634
@@ -233,3 +235,6 @@ def verify_attention_at_positions(
     if reason:
         return reason
     return device_reason(q, k, v)
+
+
+register("cuda", "attention_at_positions", attention_at_positions, verify_attention_at_positions)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmcache_backend.ops import register
 from lmcache_backend.ops.reference import select_topk_with_invalid, selection_count
 
 from ._common import device_of, device_reason, float_dtype_reason, next_pow2, rows_2d
@@ -139,3 +140,6 @@ def verify_kv_deviation_topk(
     if valid_mask.shape != (k_fresh.shape[0],):
         return f"valid_mask shape {tuple(valid_mask.shape)} is not [{k_fresh.shape[0]}]"
     return device_reason(k_fresh, k_cached)
+
+
+register("cuda", "kv_deviation_topk", kv_deviation_topk, verify_kv_deviation_topk)

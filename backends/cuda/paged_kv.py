@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmcache_backend.ops import register
+
 from ._common import FLOAT_DTYPES, device_of, device_reason, index_reason, next_pow2
 
 _ELEMENTS_PER_PROGRAM = 4096
@@ -277,3 +279,7 @@ def verify_paged_kv_read(
     if reason:
         return reason
     return device_reason(key_cache, value_cache)
+
+
+register("cuda", "paged_kv_write", paged_kv_write, verify_paged_kv_write)
+register("cuda", "paged_kv_read", paged_kv_read, verify_paged_kv_read)

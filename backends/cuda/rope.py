@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmcache_backend.ops import register
+
 from ._common import device_of, device_reason, float_dtype_reason, index_reason, next_pow2
 
 # Elements of one rotation half handled per program: 64 (token, head) rows of a 64-wide half for
@@ -159,3 +161,6 @@ def verify_rope_rerotate_k(
     if k.dim() == 2 and k.shape[1] % rot_dim:
         return f"k width {k.shape[1]} is not a multiple of the rotary dim {rot_dim}"
     return device_reason(k, old_positions, new_positions, cos_sin_cache)
+
+
+register("cuda", "rope_rerotate_k", rope_rerotate_k, verify_rope_rerotate_k)

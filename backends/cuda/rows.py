@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmcache_backend.ops import register
+
 from ._common import device_of, device_reason, index_reason, next_pow2, rows_2d, rows_view
 
 # About 4096 elements per program (8-32 KB): enough bytes in flight to keep a copy memory-bound.
@@ -196,3 +198,7 @@ def verify_scatter_rows(dst: torch.Tensor, indices: torch.Tensor, src: torch.Ten
     if src.dtype.is_complex or dst.dtype.is_complex:
         return "complex dtypes"
     return device_reason(dst, src)
+
+
+register("cuda", "gather_rows", gather_rows, verify_gather_rows)
+register("cuda", "scatter_rows", scatter_rows, verify_scatter_rows)

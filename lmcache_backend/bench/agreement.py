@@ -25,12 +25,10 @@ import os
 
 def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     from lmcache_backend.bench.dataset import load_dataset, prompt_pair
     from lmcache_backend.blend.segmenting import build_blend_prompt, separator_pattern
-    from lmcache_backend.integration.vllm import kv_transfer_config
+    from lmcache_backend.integration.vllm.offline import generate_one, offline_engine
 
     tok = AutoTokenizer.from_pretrained(model)
     tail = separator_pattern(tok, " # # ").query_start
@@ -44,21 +42,16 @@ def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
     for ex in examples:
         pair = prompt_pair(build, ex, seed=1)
         prompts.append((ex.id, pair.warm_ids, pair.asked_ids))
-    kv = KVTransferConfig(**kv_transfer_config(enable_blending=True, blend_min_tokens=32))
-    llm = LLM(
-        model=model,
-        dtype=dtype,
-        kv_transfer_config=kv,
+    llm = offline_engine(
+        model,
+        extra_config={"enable_blending": True, "blend_min_tokens": 32},
         enable_prefix_caching=args.against_prefix_cache,
-        enforce_eager=True,
         max_model_len=4096,
-        seed=0,
+        dtype=dtype,
     )
 
     def run(ids, max_tokens, **params):
-        extra = {"kv_transfer_params": params} if params else None
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=extra)
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        out = generate_one(llm, ids, max_tokens, params or None)
         return list(out.outputs[0].token_ids), out.num_cached_tokens
 
     rows = []

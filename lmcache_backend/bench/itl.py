@@ -37,30 +37,23 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
 
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
 
     from lmcache_backend.bench.profile import _prompts
     from lmcache_backend.config import load_config
     from lmcache_backend.data.embedded import embedded_model_path
-    from lmcache_backend.integration.vllm import kv_transfer_config
+    from lmcache_backend.integration.vllm.offline import generate_one, offline_engine
 
     path = str(embedded_model_path())
     tok = AutoTokenizer.from_pretrained(path)
-    llm = LLM(
-        model=path,
-        kv_transfer_config=KVTransferConfig(
-            **kv_transfer_config(blend_layers_per_step=args.layers_per_step or None)
-        ),
-        enable_prefix_caching=False,
+    llm = offline_engine(
+        path,
+        extra_config={"blend_layers_per_step": args.layers_per_step or None},
         enforce_eager=args.eager,
-        max_model_len=8192,
-        seed=0,
     )
     engine = llm.llm_engine
     warm, asked = _prompts(tok, args.tokens, 2 * args.repeats + 1, load_config().blend_special_str)
-    one = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {}})
-    llm.generate([{"prompt_token_ids": warm}], one, use_tqdm=False)  # stores the chunks
+    generate_one(llm, warm, 1, {})  # stores the chunks
     stream_ids = tok.encode("Write a long story about a lighthouse keeper and the sea.")
     counter = iter(range(10**6))
 

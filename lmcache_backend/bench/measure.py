@@ -54,13 +54,11 @@ def main() -> None:
     os.environ["LMCACHE_BLEND_RECOMPUTE_RATIOS"] = str(args.ratio)
 
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.data.examples import builtin_examples, reordered
-    from lmcache_backend.integration.vllm import kv_transfer_config
+    from lmcache_backend.integration.vllm.offline import generate_one, offline_engine
 
     path = str(embedded_model_path())
     tok = AutoTokenizer.from_pretrained(path)
@@ -71,21 +69,11 @@ def main() -> None:
         return build_blend_prompt(tok, ex.system, long, question).token_ids
 
     def engine(connector: bool):
-        kv = KVTransferConfig(**kv_transfer_config())
-        return LLM(
-            model=path,
-            kv_transfer_config=kv if connector else None,
-            enable_prefix_caching=False,
-            enforce_eager=True,
-            max_model_len=8192,
-            seed=0,
-        )
+        return offline_engine(path, connector=connector)
 
     def run(llm, ids, max_tokens, params=None):
-        extra = {"kv_transfer_params": params} if params else None
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=extra)
         start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        out = generate_one(llm, ids, max_tokens, params or None)
         return time.perf_counter() - start, out.outputs[0].text, out.num_cached_tokens
 
     cases = []

@@ -103,10 +103,11 @@ def _time_queries(cache, block_ids, attention, positions: torch.Tensor, g, repea
 
 
 def _tiled_ms(positions: torch.Tensor, num_tokens: int, g, repeats: int) -> float | None:
-    """Median ms of the blend's tiled kernel (:mod:`lmcache_backend.ops.cpu_kernels`) for
+    """Median ms of the blend's tiled kernel
+    (:mod:`lmcache_backend.backends.cpu.tiled_attention`) for
     random queries at ``positions [N]`` over ``num_tokens`` contiguous random bf16 K/V; None
     where it cannot run."""
-    from lmcache_backend.ops.cpu_kernels import KernelUnavailable, load_tiled_attention
+    from lmcache_backend.backends.cpu.tiled_attention import KernelUnavailable, load_tiled_attention
 
     try:
         kernel = load_tiled_attention()

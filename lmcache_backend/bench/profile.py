@@ -97,43 +97,29 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
 
     from transformers import AutoConfig, AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     from lmcache_backend.config import load_config
     from lmcache_backend.data.embedded import embedded_model_path
-    from lmcache_backend.integration.vllm import kv_transfer_config
+    from lmcache_backend.integration.vllm.offline import generate_one, offline_engine, read_records
 
     path = str(embedded_model_path())
     tok = AutoTokenizer.from_pretrained(path)
     layers = int(AutoConfig.from_pretrained(path).num_hidden_layers)
     separator = load_config().blend_special_str
     stats = os.path.join(tempfile.mkdtemp(prefix="lmcache-profile-"), "stats.jsonl")
-    llm = LLM(
-        model=path,
-        kv_transfer_config=KVTransferConfig(
-            **kv_transfer_config(stats, profile=True, engine_forward=not args.layerwise)
-        ),
-        enable_prefix_caching=False,
+    llm = offline_engine(
+        path,
+        stats_file=stats,
+        extra_config={"profile": True, "engine_forward": not args.layerwise},
         enforce_eager=args.eager,
-        max_model_len=8192,
-        seed=0,
     )
 
-    def records() -> list[dict]:
-        try:
-            with open(stats, encoding="utf-8") as fh:
-                return [json.loads(line) for line in fh.read().splitlines()]
-        except OSError:
-            return []
-
     def ask(ids, params):
-        sp = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": params})
-        before = len(records())
+        before = len(read_records(stats))
         start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        generate_one(llm, ids, 1, params)
         ttft = time.perf_counter() - start
-        new = records()[before:]
+        new = read_records(stats)[before:]
         return ttft, (new[-1] if new else None)
 
     modes = [("full prefill", {"blend": False}), ("naive reuse", {"blend_recompute_ratios": [0.0]})]

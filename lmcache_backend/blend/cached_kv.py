@@ -66,7 +66,7 @@ def _rerotate(
     layers, num_tokens, heads, dim = keys.shape
     moved = meta.valid_mask & (original != meta.positions)
     adapter_op = model.rope_rerotate_k  # the engine's own kernel, if it has one
-    if adapter_op is not None and ops.name == "torch":
+    if adapter_op is not None and not ops.native("rope_rerotate_k"):
         if bool(moved.any()):
             # every row of every layer at once; a row that did not move turns by angle 0
             old = torch.where(moved, original, meta.positions)

@@ -111,11 +111,9 @@ def verify_vllm(
     import tempfile
 
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     from lmcache_backend.config import load_config
-    from lmcache_backend.integration.vllm import kv_transfer_config
+    from lmcache_backend.integration.vllm.offline import generate_one, offline_engine, read_records
 
     # vLLM's CPU backend otherwise reserves a share of all memory for its KV cache (and refuses
     # to start when less is free); a check needs little
@@ -128,10 +126,8 @@ def verify_vllm(
     extra = {
         "enable_blending": True,
         "blend_min_tokens": min(config.blend_min_tokens, 16),
-        "stats_file": stats,
         **(extra_config or {}),
     }
-    kv = KVTransferConfig(**kv_transfer_config(**extra))
     longest = max(len(p) for pair in prompts for p in pair)
     kwargs = {
         "enforce_eager": True,
@@ -143,20 +139,12 @@ def verify_vllm(
     # The re-rotation check runs a function of this module in the worker (collective_rpc),
     # which vLLM sends pickled only when allowed; this is the verifying process's own engine.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    llm = LLM(model=model_path, dtype=dtype, kv_transfer_config=kv, **kwargs)
-
-    def records() -> list[dict]:
-        if not os.path.exists(stats):
-            return []
-        with open(stats, encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+    llm = offline_engine(model_path, stats_file=stats, extra_config=extra, dtype=dtype, **kwargs)
 
     def run(ids, **params):
-        extra_args = {"kv_transfer_params": params} if params else None
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5, extra_args=extra_args)
-        before = len(records())
-        out = llm.generate([{"prompt_token_ids": list(ids)}], sp, use_tqdm=False)[0]
-        new = records()[before:]
+        before = len(read_records(stats))
+        out = generate_one(llm, ids, max_tokens, params or None, logprobs=5)
+        new = read_records(stats)[before:]
         return out, (new[-1] if new else None)
 
     def first_logprobs(out) -> dict[int, float]:

@@ -250,14 +250,3 @@ def paged_kv_read(
     block_size = key_cache.shape[1]
     blocks, rows = slots // block_size, slots % block_size
     return key_cache[blocks, rows], value_cache[blocks, rows]
-
-
-REFERENCE_OPS = {
-    "rope_rerotate_k": rope_rerotate_k,
-    "kv_deviation_topk": kv_deviation_topk,
-    "gather_rows": gather_rows,
-    "scatter_rows": scatter_rows,
-    "attention_at_positions": attention_at_positions,
-    "paged_kv_write": paged_kv_write,
-    "paged_kv_read": paged_kv_read,
-}

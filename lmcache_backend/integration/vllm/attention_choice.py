@@ -3,8 +3,10 @@
 * vLLM's CPU paged attention (:class:`~lmcache_backend.integration.vllm.layouts.CpuAttention`):
   the selected queries attend over the request's blocks, where the blend writes every row. Only
   on vLLM's CPU backend, for a model without a sliding window, with the engine's block size.
-* the tiled CPU kernel (``selected_attention``: ``auto``, ``tiled`` or ``vllm``): attends over
-  the blend's contiguous K/V instead, reading each key block once per tile of queries.
+* the op registry's ``attention_at_positions`` where the backend serves it with a kernel of its
+  own (``selected_attention``: ``auto``, ``tiled`` or ``vllm``): on CPU the tiled kernel
+  (:mod:`lmcache_backend.backends.cpu.tiled_attention`), which attends over the blend's
+  contiguous K/V, reading each key block once per tile of queries.
 * vLLM's own forward pass (``engine_forward``): runs a fixed selection's tokens through the
   compiled model over the paged cache.
 
@@ -21,11 +23,11 @@ from typing import Any
 import torch
 
 from lmcache_backend.config import ConfigError
-from lmcache_backend.integration.vllm.engine_forward import EngineForward
+from lmcache_backend.integration.vllm.engine_forward import EngineForward, SelectedQueriesAttention
 from lmcache_backend.integration.vllm.layouts import CpuAttention, CpuLayout, PagedLayout
 from lmcache_backend.integration.vllm.settings import ConnectorSettings
 from lmcache_backend.models.vllm import VLLMModelAdapter
-from lmcache_backend.ops.cpu_kernels import KernelUnavailable, TiledAttention, load_tiled_attention
+from lmcache_backend.ops import Ops
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +38,13 @@ class SelectedAttention:
 
     Attributes:
         paged: vLLM's CPU paged attention over the request's blocks.
-        tiled: the tiled kernel over the blend's contiguous K/V (with ``paged`` only).
+        tiled: the backend's ``attention_at_positions`` kernel over the blend's contiguous K/V
+            (with ``paged`` only).
         engine_forward: vLLM's forward pass of a fixed selection (with ``paged`` only).
     """
 
     paged: CpuAttention | None = None
-    tiled: TiledAttention | None = None
+    tiled: SelectedQueriesAttention | None = None
     engine_forward: EngineForward | None = None
 
 
@@ -52,31 +55,22 @@ def choose_attention(
     caches: list[torch.Tensor],
     layout: PagedLayout,
     model: VLLMModelAdapter,
+    ops: Ops,
 ) -> SelectedAttention:
-    """The kernels for this engine, per its settings, layout and model.
+    """The kernels for this engine, per its settings, layout, model and op set.
 
     Raises:
-        ConfigError: ``selected_attention="tiled"`` and the tiled kernel cannot run here.
+        ConfigError: ``selected_attention="tiled"`` and the backend has no kernel for these
+            queries.
     """
     paged = _paged_attention(vllm_config, layer_names, caches, layout, model)
     if paged is None:
         return SelectedAttention()
-    tiled = _tiled_attention(settings.selected_attention, caches[0].dtype, model)
+    tiled = _tiled_attention(settings.selected_attention, caches[0].dtype, model, ops)
     engine_forward = None
     if settings.engine_forward and EngineForward.available():
         engine_forward = EngineForward(model.model, vllm_config, layer_names, paged, tiled)
     return SelectedAttention(paged, tiled, engine_forward)
-
-
-def prepare_tiled_kernel(selected_attention: str) -> None:
-    """Build the tiled kernel now (about 30 s, the first time on a machine), not in the first
-    blended request's time to first token; whether it is used is decided later."""
-    if selected_attention == "vllm":
-        return
-    try:
-        load_tiled_attention()
-    except KernelUnavailable:
-        pass  # choose_attention logs why (or stops the engine for "tiled")
 
 
 def _paged_attention(
@@ -107,26 +101,23 @@ def _paged_attention(
 
 
 def _tiled_attention(
-    choice: str, cache_dtype: torch.dtype, model: VLLMModelAdapter
-) -> TiledAttention | None:
-    """The blend's tiled kernel for the selected queries, per ``selected_attention``; the one
-    place that decides it (its users pass it the blend's K/V, in the model's dtype)."""
+    choice: str, cache_dtype: torch.dtype, model: VLLMModelAdapter, ops: Ops
+) -> SelectedQueriesAttention | None:
+    """The backend's kernel for the selected queries, per ``selected_attention``; the one place
+    that decides it (its users pass it the blend's K/V, in the model's dtype)."""
     if choice == "vllm":
         return None
     if cache_dtype != torch.bfloat16:
         reason = f"the tiled kernel needs a bf16 KV cache, this one is {cache_dtype}"
-    elif model.dtype != torch.bfloat16:
-        reason = f"the tiled kernel needs a bf16 model, this one is {model.dtype}"
-    elif model.head_dim % 32:
-        reason = f"the tiled kernel needs a head dim multiple of 32, not {model.head_dim}"
     else:
-        try:
-            kernel = load_tiled_attention()
-        except KernelUnavailable as exc:
-            reason = str(exc)
-        else:
-            logger.info("CacheBlend: selected tokens attend with the tiled CPU kernel")
-            return kernel
+        # one query over one key, shaped and typed as the blend's calls are
+        q = torch.zeros(1, model.num_heads, model.head_dim, dtype=model.dtype)
+        kv = torch.zeros(1, model.num_kv_heads, model.head_dim, dtype=model.dtype)
+        positions = torch.zeros(1, dtype=torch.int64)
+        reason = ops.decline_reason("attention_at_positions", q, kv, kv, positions, 1.0)
+    if reason is None:
+        logger.info("CacheBlend: selected tokens attend with the %s backend's kernel", ops.name)
+        return ops.attention_at_positions
     if choice == "tiled":
         raise ConfigError(f"selected_attention='tiled': {reason}")
     logger.warning("CacheBlend: selected_attention=auto: %s; using vLLM's attention", reason)

@@ -18,7 +18,8 @@ selected queries attend instead over the request's contiguous blended K/V, which
 holds anyway and which the pass keeps equal to the paged cache (each layer's fresh rows go into
 both): vLLM's kernel takes each run of consecutive positions as a request of its own and pays
 about 1.5x a full prefill's cost per query-key pair for isolated queries; the tiled kernel reads
-each key block once for a tile of selected queries (:mod:`lmcache_backend.ops.cpu_kernels`).
+each key block once for a tile of selected queries
+(:mod:`lmcache_backend.backends.cpu.tiled_attention`).
 
 The pass ends once the last layer's K/V are written: nothing reads that layer's attention output
 or what follows it (the engine computes the question itself). The pass runs inside a forward
@@ -42,13 +43,18 @@ from typing import Any, NoReturn
 import torch
 
 from lmcache_backend.integration.vllm.layouts import CpuAttention
-from lmcache_backend.ops.cpu_kernels import TiledAttention
 
 # The dtypes of vLLM's model-runner input buffers. The compiled graph is traced with them and
 # reads its inputs as such: int64 token ids would be read as pairs of int32 (every other token
 # 0), with no error.
 INPUT_IDS_DTYPE = torch.int32
 POSITIONS_DTYPE = torch.int64
+
+#: ``attention_at_positions(q [N, Hq, D], k [T, Hkv, D], v [T, Hkv, D], positions [N], scale)
+#: -> [N, Hq, D]``: the op registry's attention of selected queries (each over keys ``0..p``)
+SelectedQueriesAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 #: ``attend(layer_index, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq, D]``: one
 #: layer's attention of the preview tokens (``k``/``v`` are their own fresh rows).
@@ -128,17 +134,18 @@ class _WriteThenStop(_CacheWritingStandIn):
         raise _LastLayerWritten
 
 
-class _TiledAttention(_CacheWritingStandIn):
+class _SelectedAttention(_CacheWritingStandIn):
     """Stands in for one layer's attention backend in a selected tokens' pass, given the
     request's contiguous blended K/V of that layer (``keys``/``values`` ``[T, Hkv, D]``): vLLM's
     cache update still writes the layer's fresh K/V into the paged cache (through the engine's
     own backend), the same rows go into ``keys``/``values``, and the queries attend over those
-    with the blend's tiled kernel (:mod:`lmcache_backend.ops.cpu_kernels`) instead of vLLM's."""
+    with the op registry's ``attention_at_positions`` (the CPU backend's tiled kernel,
+    :mod:`lmcache_backend.backends.cpu.tiled_attention`) instead of vLLM's."""
 
     def __init__(
         self,
         backend: Any,
-        kernel: TiledAttention,
+        kernel: SelectedQueriesAttention,
         keys: torch.Tensor,
         values: torch.Tensor,
         positions: torch.Tensor,
@@ -164,7 +171,7 @@ class _TiledAttention(_CacheWritingStandIn):
         self.keys[rows] = key[:n].reshape(n, kv_heads, dim).to(self.keys.dtype)
         self.values[rows] = value[:n].reshape(n, kv_heads, dim).to(self.values.dtype)
         q = query[:n].reshape(n, -1, dim)
-        out = self.kernel(q, rows, self.keys, self.values, float(self.backend.scale))
+        out = self.kernel(q, self.keys, self.values, rows, float(self.backend.scale))
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
 
@@ -188,7 +195,7 @@ class EngineForward:
         vllm_config: Any,
         layer_names: list[str],
         attention: CpuAttention,
-        tiled_attention: TiledAttention | None = None,
+        tiled_attention: SelectedQueriesAttention | None = None,
     ) -> None:
         self.model, self.vllm_config = model, vllm_config
         self.layer_names = list(layer_names)
@@ -331,7 +338,7 @@ class EngineForward:
                 return _WriteThenStop(backend)
             if tiled:
                 keys, values = kv
-                return _TiledAttention(
+                return _SelectedAttention(
                     backend, self.tiled_attention, keys[index], values[index], rows
                 )
             return backend

@@ -25,10 +25,7 @@ import torch
 from lmcache_backend.blend import LMCBlender, SegmentCache
 from lmcache_backend.blend.request import BlendResult
 from lmcache_backend.integration.vllm import startup_checks, tensor_parallel
-from lmcache_backend.integration.vllm.attention_choice import (
-    choose_attention,
-    prepare_tiled_kernel,
-)
+from lmcache_backend.integration.vllm.attention_choice import choose_attention
 from lmcache_backend.integration.vllm.layouts import CpuLayout, FlashLayout, PagedLayout
 from lmcache_backend.integration.vllm.loads import Loads
 from lmcache_backend.integration.vllm.metadata import LoadSpec, SaveSpec
@@ -76,7 +73,9 @@ class WorkerSide:
         indexed.sort()
         self.layer_names = [name for _, name, _ in indexed]
         self.caches = [cache for _, _, cache in indexed]
-        prepare_tiled_kernel(self.settings.selected_attention)
+        # load the op set now (the CPU backend builds its kernel, about 30 s the first time on a
+        # machine), not in the first blended request's time to first token
+        self._ops()
         if self.profile.kv_transfer_after_model_load:
             self._ensure_ready()
 
@@ -96,7 +95,7 @@ class WorkerSide:
         ops = self._ops()
         self.layout = self._make_layout(model, ops)
         attention = choose_attention(
-            settings, self.vllm_config, self.layer_names, self.caches, self.layout, model
+            settings, self.vllm_config, self.layer_names, self.caches, self.layout, model, ops
         )
         target = PagedCacheTarget(self.layout, self.caches, attention)
         self.store = self._make_store(model)

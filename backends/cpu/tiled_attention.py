@@ -1,10 +1,14 @@
-"""The blend's own CPU kernel: tiled attention of selected queries (``cpu_tiled_attention.cpp``).
+"""The blend's own CPU kernel: tiled attention of selected queries (``tiled_attention.cpp``).
 
 Built with the system's C++ compiler on first use (about 30 s, once per machine and torch
 version: the library is kept under ``$LMCACHE_KERNEL_CACHE``, default
 ``~/.cache/lmcache_backend/kernels``) and only where it can run: x86-64 with AVX-512 BF16, whose
 bf16 matrix products it takes from oneDNN through torch. Anything else gets
 :class:`KernelUnavailable` with the reason, and the caller keeps vLLM's attention.
+
+It is the CPU backend's ``attention_at_positions`` (registered by :func:`register_ops`): a query
+at position ``p`` attends keys ``0..p``, as the torch reference; its verifier leaves every call
+it cannot serve (not bf16, a head dim that is not a multiple of 32, ...) to the reference.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from pathlib import Path
 
 import torch
 
+from lmcache_backend.ops import register
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_tiled_attention.cpp")
+SOURCE = Path(__file__).with_name("tiled_attention.cpp")
 #: most selected queries per tile (the kernel cuts them into tiles of equal size): rows of
 #: one product are at most ``TILE_QUERIES x (Hq / Hkv)``
 TILE_QUERIES = 16
@@ -117,3 +123,51 @@ def load_tiled_attention() -> TiledAttention:
         )
 
     return tiled_attention
+
+
+def verify_attention_at_positions(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float = 1.0,
+) -> str | None:
+    """Why the tiled kernel cannot serve this ``attention_at_positions`` call, or None."""
+    tensors = (q, k, v)
+    if any(t.device.type != "cpu" for t in (*tensors, q_positions)):
+        return "not CPU tensors"
+    if any(t.dtype != torch.bfloat16 for t in tensors):
+        return f"needs bf16 q/k/v, got {q.dtype}/{k.dtype}/{v.dtype}"
+    if any(t.dim() != 3 for t in tensors) or k.shape != v.shape:
+        return "needs q [N, Hq, D] and k, v [T, Hkv, D] of one shape"
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    if k.shape[2] != dim or dim % 32 or heads % kv_heads:
+        return f"needs a head dim multiple of 32 and whole query groups, got {tuple(q.shape)}"
+    if q_positions.numel() and (
+        bool((q_positions[1:] < q_positions[:-1]).any()) or int(q_positions[-1]) >= k.shape[0]
+    ):
+        return "needs sorted query positions within the keys"
+    return None
+
+
+def register_ops() -> None:
+    """Build (or load) the kernel and register it as the CPU backend's
+    ``attention_at_positions``.
+
+    Raises:
+        KernelUnavailable: the kernel cannot run here (the message says why).
+    """
+    kernel = load_tiled_attention()
+
+    def attention_at_positions(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_positions: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [N, Hq, D]`` at sorted ``q_positions [N]`` over ``k``/``v`` ``[T, Hkv, D]``,
+        bf16 -> ``[N, Hq, D]`` bf16; the query at position ``p`` attends keys ``0..p``."""
+        return kernel(q, q_positions, k, v, float(scale))
+
+    register("cpu", "attention_at_positions", attention_at_positions, verify_attention_at_positions)

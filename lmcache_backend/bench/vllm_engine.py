@@ -1,0 +1,158 @@
+"""The benchmark inside vLLM with the CacheBlend connector: :class:`VLLMEngine`."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lmcache_backend.bench.engines import PrefillRun
+from lmcache_backend.bench.strategies import BLEND, FULL, PREFIX, Strategy
+from lmcache_backend.blend.segmenting import build_blend_prompt
+
+
+class VLLMEngine:
+    """The benchmark inside one vLLM engine with the CacheBlend connector.
+
+    Every strategy is a request option: full prefill and prefix caching opt out of blending
+    (``kv_transfer_params={"blend": false}``), CacheBlend sets its ratios and check layers per
+    request. vLLM's prefix cache is on but emptied before every request, so a repeat never reuses
+    the previous run; prefix caching first re-runs the original prompt (untimed) so that its
+    blocks are what the asked prompt can hit. TTFT is the latency of a one-token request, as a
+    client sees it. The EPIC selection has no request option and is not run.
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, model_name: str = "") -> None:
+        import tempfile
+
+        from transformers import AutoConfig, AutoTokenizer
+
+        from lmcache_backend.config import load_config
+        from lmcache_backend.integration.vllm.offline import offline_engine
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
+        self.config = load_config()
+        self._stats = os.path.join(tempfile.mkdtemp(prefix="lmcache-bench-"), "stats.jsonl")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.num_layers = int(AutoConfig.from_pretrained(model_path).num_hidden_layers)
+        self.model_name = model_name or model_path
+        self.llm = offline_engine(
+            model_path,
+            stats_file=self._stats,
+            enable_prefix_caching=True,
+            enforce_eager=False,
+            max_logprobs=-1,  # the full first-token distribution, for the KL
+        )
+        self._warm_ids: list[int] = []
+
+    def describe(self) -> dict[str, Any]:
+        import vllm
+
+        return {
+            "engine": self.name,
+            "model": self.model_name,
+            "dtype": str(self.llm.llm_engine.model_config.dtype).replace("torch.", ""),
+            "ops_backend": self.config.backend,
+            "threads": torch.get_num_threads(),
+            "num_layers": self.num_layers,
+            "blend_min_tokens": self.config.blend_min_tokens,
+            "vllm": vllm.__version__,
+        }
+
+    def prompt_ids(self, system: str, chunks: Sequence[str], question: str) -> list[int]:
+        return build_blend_prompt(
+            self.tokenizer, system, chunks, question, self.config.blend_special_str
+        ).token_ids
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def supports(self, strategy: Strategy) -> bool:
+        return strategy.kind in (FULL, PREFIX, BLEND)
+
+    def _generate(self, token_ids: Sequence[int], params: dict, max_tokens: int, logprobs=None):
+        from lmcache_backend.integration.vllm.offline import generate_one
+
+        return generate_one(self.llm, token_ids, max_tokens, params, logprobs)
+
+    @staticmethod
+    def _params(strategy: Strategy) -> dict:
+        if strategy.kind == BLEND:
+            params = {
+                "blend_recompute_ratios": list(strategy.ratios),
+                "blend_check_layers": list(strategy.check_layers),
+            }
+            if strategy.selection:
+                params["blend_selection"] = strategy.selection
+            return params
+        return {"blend": False}
+
+    def reset(self) -> None:
+        # The connector's segment store lives in the worker; earlier prompts' chunks stay there
+        # but do not match other prompts' chunks.
+        self.llm.reset_prefix_cache()
+        self._warm_ids = []
+
+    def warm(self, token_ids: Sequence[int]) -> None:
+        self._warm_ids = list(token_ids)
+        self._generate(token_ids, {"blend": False}, 1)  # computes and stores every segment
+
+    def _prepare(self, strategy: Strategy) -> None:
+        self.llm.reset_prefix_cache()
+        if strategy.kind == PREFIX and self._warm_ids:
+            self._generate(self._warm_ids, {"blend": False}, 1)
+
+    def _last_record(self) -> dict | None:
+        from lmcache_backend.integration.vllm.offline import read_records
+
+        records = read_records(self._stats)
+        return records[-1] if records else None
+
+    def prefill(
+        self, strategy: Strategy, token_ids: Sequence[int], timed: bool = True
+    ) -> PrefillRun:
+        if not self.supports(strategy):
+            raise ValueError(f"--engine vllm cannot run {strategy.name}")
+        tokens = list(token_ids)
+        self._prepare(strategy)
+        before = self._last_record()
+        start = time.perf_counter()
+        out = self._generate(tokens, self._params(strategy), 1, None if timed else -1)
+        ttft = time.perf_counter() - start
+        logits = torch.full((len(self.tokenizer),), float("-inf"))
+        if not timed and out.outputs[0].logprobs:
+            for token_id, logprob in out.outputs[0].logprobs[0].items():
+                if token_id < logits.numel():
+                    logits[token_id] = logprob.logprob
+        elif out.outputs[0].token_ids:
+            logits[out.outputs[0].token_ids[0]] = 0.0  # timed runs only need the token
+        num, layers = len(tokens), self.num_layers
+        cached = int(out.num_cached_tokens or 0)
+        run = PrefillRun(
+            logits, ttft, num - cached, (num - cached) * layers, cached, None, strategy
+        )
+        record = self._last_record()
+        if strategy.kind == BLEND and record is not None and record != before:
+            reusable = int(record["num_reusable"])
+            run.recomputed_tokens = num - reusable + int(record["recomputed_reusable"])
+            run.token_layers = round(float(record["token_layer_fraction"]) * num * layers)
+            run.reused_tokens = reusable
+            run.fallback_reason = record["fallback_reason"]
+        elif strategy.kind == BLEND:
+            run.fallback_reason = "the connector did not claim the prompt"
+        return run
+
+    def decode(self, token_ids: Sequence[int], run: PrefillRun, max_new_tokens: int) -> str:
+        strategy: Strategy = run.state
+        self._prepare(strategy)
+        out = self._generate(token_ids, self._params(strategy), max_new_tokens)
+        return out.outputs[0].text
+
+    def cache_bytes(self, strategy: Strategy) -> int | None:
+        return 0 if strategy.kind == FULL else None  # the stores live in the worker
