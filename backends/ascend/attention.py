@@ -144,3 +144,50 @@ def verify_attention_at_positions(
 
 
 register("ascend", "attention_at_positions", attention_at_positions, verify_attention_at_positions)
+
+
+def paged_attention_at_positions(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``attention_at_positions`` over the request's rows of a paged cache (``[num_blocks,
+    block_size, Hkv, D]`` each): the rows ``0..max(q_positions)`` are gathered through the block
+    table (one layer's rows, freed after the call), then attended with the fused operator."""
+    from lmcache_backend.backends.ascend.paged_kv import paged_kv_read
+
+    if q.shape[0] == 0:
+        return torch.empty(0, *q.shape[1:], dtype=q.dtype, device=q.device)
+    block_size = key_cache.shape[1]
+    positions = torch.arange(int(q_positions.max()) + 1, device=key_cache.device)
+    table = block_table.to(device=key_cache.device, dtype=torch.int64)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    keys, values = paged_kv_read(key_cache, value_cache, slots)
+    return attention_at_positions(q, keys, values, q_positions, scale)
+
+
+def verify_paged_attention_at_positions(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+) -> str | None:
+    """Reason to leave a call to the reference (tensors not on an NPU, caches that are not
+    vllm-ascend's contiguous ``[num_blocks, block_size, H, D]``), or None."""
+    reason = on_npu_reason(q, key_cache, value_cache)
+    if reason is None and not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        reason = "the caches are not contiguous [num_blocks, block_size, H, D] tensors"
+    return reason
+
+
+register(
+    "ascend",
+    "paged_attention_at_positions",
+    paged_attention_at_positions,
+    verify_paged_attention_at_positions,
+)

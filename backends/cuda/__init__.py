@@ -44,6 +44,6 @@ def load() -> None:
     if reason is not None:
         raise BackendUnavailable(reason)
     try:
-        from . import attention, deviation, paged_kv, rope, rows  # noqa: F401
+        from . import attention, deviation, paged_attention, paged_kv, rope, rows  # noqa: F401
     except Exception as exc:  # a broken Triton install fails in many ways
         raise BackendUnavailable(f"the Triton kernels failed to import: {exc}") from exc

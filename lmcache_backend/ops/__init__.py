@@ -72,6 +72,7 @@ class Ops:
     attention_at_positions: Callable
     paged_kv_write: Callable
     paged_kv_read: Callable
+    paged_attention_at_positions: Callable
     served_by: tuple[tuple[str, str], ...] = ()
     verifiers: dict[str, Verifier] = field(default_factory=dict, compare=False)
     fallback_reason: str | None = None

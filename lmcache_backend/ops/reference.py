@@ -250,3 +250,39 @@ def paged_kv_read(
     block_size = key_cache.shape[1]
     blocks, rows = slots // block_size, slots % block_size
     return key_cache[blocks, rows], value_cache[blocks, rows]
+
+
+def paged_attention_at_positions(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`attention_at_positions` over one request's rows of a paged cache.
+
+    Args:
+        q: ``[Nq, Hq, D]`` queries at sorted ``q_positions [Nq]``.
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, any strides (views of an
+            engine's cache, as :func:`paged_kv_write` takes them).
+        block_table: ``[nb]`` int: the request's blocks in order; its token ``t`` lives in block
+            ``block_table[t // block_size]`` at row ``t % block_size``.
+        q_positions: ``[Nq]`` positions of the queries; keys ``0..max(q_positions)`` must be
+            covered by ``block_table``.
+        scale: softmax scale.
+
+    Returns:
+        ``[Nq, Hq, D]`` in ``q.dtype``: the query at position ``p`` attends the request's keys
+        ``0..p`` (fp32 math). This reference gathers those rows first; the kernels read them
+        through the block table.
+    """
+    if q.shape[0] == 0:
+        return torch.empty(0, *q.shape[1:], dtype=q.dtype, device=q.device)
+    block_size = key_cache.shape[1]
+    end = int(q_positions.max()) + 1
+    positions = torch.arange(end, device=key_cache.device)
+    table = block_table.to(device=key_cache.device, dtype=torch.int64)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    keys, values = paged_kv_read(key_cache, value_cache, slots)
+    return attention_at_positions(q, keys, values, q_positions, scale)

@@ -1,0 +1,213 @@
+"""Attention of selected queries over one request's rows of a paged KV cache, read through its
+block table: the exact per-position causal mask of ``attention_at_positions`` without a
+contiguous copy of the prompt's K/V.
+
+The same tiling as :mod:`.attention` (a tile of query rows of one KV head, the heads of a group
+packed into the rows, an online softmax in fp32, the walk stopping at the tile's largest
+position); only the key addresses differ: key ``t`` is row ``t % block_size`` of block
+``block_table[t // block_size]``, read with the cache's own strides, so any view of an engine's
+cache serves (NHD or HND, K and V split from one tensor).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmcache_backend.ops import register
+
+from ._common import device_of, device_reason, float_dtype_reason, index_reason, interpret_mode
+from .attention import _LOG2E, _launch_config, _pow2_head_dim
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    table_ptr,
+    pos_ptr,
+    out_ptr,
+    num_q,
+    group,
+    block_size,
+    qk_scale_log2,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_q * group
+    q_idx = (rows // group).to(tl.int64)
+    q_head = (kv_head * group + rows % group).to(tl.int64)
+    dk = tl.arange(0, HEAD_DIM)
+    dv = tl.arange(0, HEAD_DIM_V)
+
+    # Padding rows take position 0: they see key 0 only, so no row is ever fully masked.
+    pos = tl.load(pos_ptr + q_idx, mask=row_mask, other=0).to(tl.int32)
+    q = tl.load(
+        q_ptr + q_idx[:, None] * stride_qn + q_head[:, None] * stride_qh + dk[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+
+    key_end = tl.max(pos, axis=0) + 1
+    k_base = kc_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = vc_ptr + kv_head.to(tl.int64) * stride_vh
+    for start in range(0, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = keys < key_end
+        block = tl.load(table_ptr + keys // block_size, mask=key_mask, other=0).to(tl.int64)
+        offset = (keys % block_size).to(tl.int64)
+        k_rows = block * stride_kb + offset * stride_ko
+        v_rows = block * stride_vb + offset * stride_vo
+        k = tl.load(k_base + k_rows[None, :] + dk[:, None], mask=key_mask[None, :], other=0.0)
+        if DOT_FP32:
+            qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            qk = tl.dot(q, k.to(q.dtype))
+        visible = keys[None, :] <= pos[:, None]
+        s = tl.where(visible, qk * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None], other=0.0)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_idx[:, None] * stride_on + q_head[:, None] * stride_oh + dv[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
+
+
+def paged_attention_at_positions(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``q [Nq, Hq, D]`` at ``q_positions [Nq]`` over the request's rows of
+    ``key_cache``/``value_cache`` (``[num_blocks, block_size, Hkv, D]``, any strides with a
+    contiguous last dim) found through ``block_table [nb]``; the query at position ``p`` attends
+    keys ``0..p``. Returns ``[Nq, Hq, Dv]`` in ``q.dtype`` (fp32 softmax and accumulation)."""
+    num_q, num_heads, head_dim = q.shape
+    num_kv_heads, head_dim_v = value_cache.shape[2], value_cache.shape[3]
+    out = torch.empty(num_q, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    if num_q == 0 or num_heads == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    positions = q_positions.to(device=q.device).contiguous()
+    table = block_table.to(device=q.device).contiguous()
+    group = num_heads // num_kv_heads
+    fp32 = q.dtype == torch.float32
+    # Triton's interpreter multiplies the raw bits of bf16 dot operands (triton-lang/triton
+    # issue 11584), so there bf16 tiles are widened to fp32 before each dot.
+    dot_fp32 = fp32 or (interpret_mode() and q.dtype == torch.bfloat16)
+    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, head_dim_v, fp32)
+    grid = (triton.cdiv(num_q * group, block_m), num_kv_heads)
+    with device_of(q):
+        _paged_attention_kernel[grid](
+            q,
+            key_cache,
+            value_cache,
+            table,
+            positions,
+            out,
+            num_q,
+            group,
+            key_cache.shape[1],
+            float(scale) * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_V=head_dim_v,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            DOT_FP32=dot_fp32,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    return out
+
+
+def verify_paged_attention_at_positions(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+) -> str | None:
+    """Reason to leave a call to the reference, or ``None`` when the kernel serves it."""
+    if q.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:
+        return "q must be [N, H, D] and the caches [num_blocks, block_size, H, D]"
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        reason = float_dtype_reason(name, t)
+        if reason:
+            return reason
+    if not q.dtype == key_cache.dtype == value_cache.dtype:
+        return f"mixed dtypes q {q.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
+    if key_cache.shape[:3] != value_cache.shape[:3]:
+        return f"caches {tuple(key_cache.shape)} and {tuple(value_cache.shape)} disagree"
+    if q.shape[2] != key_cache.shape[3]:
+        return f"q head dim {q.shape[2]} differs from the cache's {key_cache.shape[3]}"
+    if key_cache.shape[2] == 0 or q.shape[1] % key_cache.shape[2]:
+        return f"{q.shape[1]} query heads are not a multiple of {key_cache.shape[2]} KV heads"
+    if not (_pow2_head_dim(q.shape[2]) and _pow2_head_dim(value_cache.shape[3])):
+        return "head dims are not powers of two in [16, 256]"
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        return "the caches' head dim is not contiguous"
+    reason = index_reason("q_positions", q_positions, q.shape[0]) or index_reason(
+        "block_table", block_table
+    )
+    if reason:
+        return reason
+    if q_positions.numel() and int(q_positions.max()) >= block_table.numel() * key_cache.shape[1]:
+        return "q_positions reach past the block table"
+    return device_reason(q, key_cache, value_cache)
+
+
+register(
+    "cuda",
+    "paged_attention_at_positions",
+    paged_attention_at_positions,
+    verify_paged_attention_at_positions,
+)
