@@ -17,7 +17,7 @@ import torch
 
 from lmcache_backend.blend.engine_side import KVTarget, PreviewAttend
 from lmcache_backend.integration.vllm.attention_choice import SelectedAttention
-from lmcache_backend.integration.vllm.layouts import AttentionPlan, PagedLayout
+from lmcache_backend.integration.vllm.layouts import AttentionPlan, LayerCache, PagedLayout
 
 
 class PagedCacheTarget(KVTarget):
@@ -35,7 +35,7 @@ class PagedCacheTarget(KVTarget):
     def __init__(
         self,
         layout: PagedLayout,
-        caches: list[torch.Tensor],
+        caches: list[LayerCache],
         attention: SelectedAttention,
         blend_in_layers: bool = False,
     ) -> None:
