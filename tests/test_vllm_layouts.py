@@ -1,4 +1,8 @@
-"""Paged KV copies: the CPU layout derived through vLLM's own cache-write op, and the flash one."""
+"""Paged KV copies: the CPU layout derived through vLLM's own cache-write op, and a CUDA one.
+
+Every recorded CUDA/Ascend form is checked against its backend's own read in
+``test_vllm_layouts_contract.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,8 @@ import torch
 
 from lmcache_backend.integration.vllm.layouts import (
     CpuLayout,
-    FlashLayout,
     derive_cpu_block_map,
+    layout_for,
     slots_for,
 )
 from lmcache_backend.ops import get_ops
@@ -72,13 +76,15 @@ def test_flash_layout_round_trip(kv_first: bool) -> None:
     heads, block, dim = 3, 16, 64
     shape = (2, 12, block, heads, dim) if kv_first else (12, 2, block, heads, dim)
     cache = torch.zeros(shape)
-    layout = FlashLayout(block, get_ops("torch"))
+    layout = layout_for(
+        cache, num_kv_heads=heads, head_dim=dim, block_size=block, ops=get_ops("torch")
+    )
     keys, values = _kv(50, heads, dim, torch.float32)
     slots = slots_for(BLOCK_IDS, block, 0, 50)
     layout.write(cache, keys, values, slots)
     got_k, got_v = layout.read(cache, slots)
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
-    k_cache, _ = FlashLayout.split(cache)
+    k_cache, _ = layout.views(cache)
     assert torch.equal(k_cache[7, 3], keys[3])  # token 3 is row 3 of the first block (7)
 
 

@@ -56,7 +56,9 @@ def _paged_kv_write_kernel(
     slot = tl.load(slot_ptr + toks, mask=tok_mask, other=-1).to(tl.int64)
     # A negative slot is vLLM's padding: nothing to write for that token.
     mask = (tok_mask & (slot >= 0))[:, None] & (feats < num_features)[None, :]
-    head = (feats // HEAD_DIM)[None, :]
+    # int64: a head stride can be large (vLLM 0.29+'s LHBNC puts heads outside blocks), and
+    # head * stride in int32 would wrap
+    head = (feats // HEAD_DIM).to(tl.int64)[None, :]
     dim = (feats % HEAD_DIM)[None, :]
     blk = (slot // block_size)[:, None]
     row = (slot % block_size)[:, None]
@@ -97,7 +99,9 @@ def _paged_kv_read_kernel(
     tok_mask = toks < num_tokens
     slot = tl.load(slot_ptr + toks, mask=tok_mask, other=0).to(tl.int64)
     mask = tok_mask[:, None] & (feats < num_features)[None, :]
-    head = (feats // HEAD_DIM)[None, :]
+    # int64: a head stride can be large (vLLM 0.29+'s LHBNC puts heads outside blocks), and
+    # head * stride in int32 would wrap
+    head = (feats // HEAD_DIM).to(tl.int64)[None, :]
     dim = (feats % HEAD_DIM)[None, :]
     blk = (slot // block_size)[:, None]
     row = (slot % block_size)[:, None]

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcache_backend.compat.vllm import check_versions
+from lmcache_backend.integration.vllm.layouts import LayerCache
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata
 from lmcache_backend.integration.vllm.scheduler import SchedulerSide
 from lmcache_backend.integration.vllm.settings import load_settings
@@ -141,7 +142,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     # -- worker side ----------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, LayerCache]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

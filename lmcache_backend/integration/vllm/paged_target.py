@@ -17,7 +17,7 @@ import torch
 
 from lmcache_backend.blend.engine_side import KVTarget, PreviewAttend
 from lmcache_backend.integration.vllm.attention_choice import SelectedAttention
-from lmcache_backend.integration.vllm.layouts import AttentionPlan, PagedLayout
+from lmcache_backend.integration.vllm.layouts import AttentionPlan, LayerCache, PagedLayout
 
 
 class PagedCacheTarget(KVTarget):
@@ -35,7 +35,7 @@ class PagedCacheTarget(KVTarget):
     def __init__(
         self,
         layout: PagedLayout,
-        caches: list[torch.Tensor],
+        caches: list[LayerCache],
         attention: SelectedAttention,
         blend_in_layers: bool = False,
     ) -> None:
@@ -143,7 +143,7 @@ class PagedCacheTarget(KVTarget):
         tiled kernel, over ``keys``/``values`` ``[T, Hkv, D]`` (the same rows, contiguous)."""
         self.paged_layers += 1
         if self.kernels.tiled is not None:
-            return self.kernels.tiled(q, positions, keys, values, scale)
+            return self.kernels.tiled(q, keys, values, positions, scale)
         plan = self._plan
         if plan is None or not torch.equal(plan.positions, positions.cpu()):
             plan = self._plan = self.kernels.paged.plan(positions, self.block_ids)

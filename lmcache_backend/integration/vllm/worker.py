@@ -26,7 +26,13 @@ from lmcache_backend.blend import LMCBlender, SegmentCache
 from lmcache_backend.blend.request import BlendResult
 from lmcache_backend.integration.vllm import startup_checks, tensor_parallel
 from lmcache_backend.integration.vllm.attention_choice import choose_attention
-from lmcache_backend.integration.vllm.layouts import CpuLayout, FlashLayout, PagedLayout
+from lmcache_backend.integration.vllm.layouts import (
+    CpuLayout,
+    LayerCache,
+    PagedLayout,
+    backend_name_of,
+    layout_for,
+)
 from lmcache_backend.integration.vllm.loads import Loads
 from lmcache_backend.integration.vllm.metadata import LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.model_tracker import ENGINE_NAME, ModelTracker
@@ -51,7 +57,8 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.profile = profile
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.caches: list[torch.Tensor] = []
+        # one per layer: a tensor, or a (k_cache, v_cache) pair on vllm-ascend
+        self.caches: list[LayerCache] = []
         self.layer_names: list[str] = []
         self.layout: PagedLayout | None = None
         self.model: VLLMModelAdapter | None = None
@@ -62,7 +69,7 @@ class WorkerSide:
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, LayerCache]) -> None:
         """Order the layers' caches by layer index (``model.layers.<i>.self_attn.attn``)."""
         indexed = []
         for name, cache in kv_caches.items():
@@ -156,8 +163,9 @@ class WorkerSide:
         from vllm.platforms import current_platform
 
         cache = self.caches[0]
+        context = self.vllm_config.compilation_config.static_forward_context
         if current_platform.is_cpu():
-            layer = self.vllm_config.compilation_config.static_forward_context[self.layer_names[0]]
+            layer = context[self.layer_names[0]]
             return CpuLayout(
                 self.profile.cpu_cache_writer(),
                 str(layer.isa),
@@ -169,14 +177,20 @@ class WorkerSide:
                 v_scale=float(getattr(layer, "_v_scale_float", 1.0)),
                 kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
             )
-        k_cache, _ = FlashLayout.split(cache)
-        return FlashLayout(int(k_cache.shape[1]), ops)
+        return layout_for(
+            cache,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            block_size=self.block_size,
+            backend_name=backend_name_of(context.get(self.layer_names[0])),
+            ops=ops,
+        )
 
     def read_rows(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every layer's ``[N, Hkv, D]`` K/V at ``slots [N]`` of the paged cache."""
         keys, values = [], []
         for cache in self.caches:
-            k, v = self.layout.read(cache, slots.to(cache.device))
+            k, v = self.layout.read(cache, slots)
             keys.append(k)
             values.append(v)
         return keys, values
