@@ -23,7 +23,7 @@ def dtype_id(dtype: torch.dtype) -> str:
 
 
 def check_served(op: str, *args) -> None:
-    get_ops("cuda")  # loads the backend, which fills VERIFIERS
+    get_ops("cuda")  # loads the backend, which registers its kernels
     assert get_ops("cuda").verifiers[op](*args) is None, f"{op} was declined"
 
 

@@ -32,7 +32,7 @@ def cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Te
 def rerotate_both(k, old, new, table, is_neox):
     """Run the kernel (checking it is not declined) on ``k`` and the reference on a clone."""
     args = (k, old, new, table, is_neox)
-    cuda = get_ops("cuda")  # loads the backend, which fills VERIFIERS
+    cuda = get_ops("cuda")  # loads the backend, which registers its kernels
     assert get_ops("cuda").verifiers["rope_rerotate_k"](*args) is None
     expected = get_ops("torch").rope_rerotate_k(k.clone(), old, new, table, is_neox)
     result = cuda.rope_rerotate_k(*args)

@@ -141,8 +141,7 @@ def test_backend_name_of_reads_the_layers_backend() -> None:
 def test_the_worker_takes_ascend_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     """``register_kv_caches`` with ``(k, v)`` tuples, a layout from the layer's backend name,
     and ``read_rows`` over the pairs (no engine: the worker's pieces are stubs)."""
-    import vllm.platforms
-
+    from lmcache_backend.integration.vllm import worker as worker_module
     from lmcache_backend.integration.vllm.worker import WorkerSide
 
     class Ascend:
@@ -167,7 +166,7 @@ def test_the_worker_takes_ascend_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     caches = {n: _pair((NB, BS, H, D)) for n in reversed(names)}
     worker.register_kv_caches(caches)
     assert worker.caches == [caches[n] for n in names]
-    monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(is_cpu=lambda: False))
+    monkeypatch.setattr(worker_module, "detect_platform", lambda: "npu")
     model = SimpleNamespace(num_kv_heads=H, head_dim=D)
     worker.layout = worker._make_layout(model, get_ops("torch"))
     assert (worker.layout.backend, worker.layout.kernel_block_size) == ("CUSTOM", BS)

@@ -33,10 +33,9 @@ from engine_cache_forms import (
 )
 from test_ascend_common import import_ascend_backend
 
-from lmcache_backend.backends import cuda as cuda_backend
 from lmcache_backend.integration.vllm.layouts import DeviceLayout, layout_for, slots_for
 from lmcache_backend.integration.vllm.layouts.device import CacheForm
-from lmcache_backend.ops import get_ops
+from lmcache_backend.ops import get_ops, implementations
 
 RECORDED = recorded_tensors()
 ASCEND = load("vllm-ascend")
@@ -56,9 +55,7 @@ def _ops(name: str):
         return get_ops("torch")
     # Triton: compiled on a GPU (the caches are put there), the interpreter on CPU (conftest)
     ops = get_ops("cuda")
-    verify_write, verify_read = (
-        cuda_backend.VERIFIERS[op] for op in ("paged_kv_write", "paged_kv_read")
-    )
+    verify_write, verify_read = (ops.verifiers[op] for op in ("paged_kv_write", "paged_kv_read"))
 
     def write(key, value, k_cache, v_cache, slots):
         # a declined call would go to the reference and pass for the wrong reason
@@ -194,12 +191,12 @@ def test_vllm_layer_of_a_shared_buffer(version: str, member: str, order: list[in
 @pytest.fixture
 def ascend_ops() -> Iterator[SimpleNamespace]:
     """The Ascend backend's ops with torch_npu replaced by the emulation (``npu_emulation``)."""
-    backend = import_ascend_backend()
+    import_ascend_backend()  # importing it registers its ops
     from lmcache_backend.backends.ascend import _npu
 
     npu_emulation.CALLS.clear()
     with _npu.use_npu_module(npu_emulation):
-        yield SimpleNamespace(**backend.OPS)
+        yield SimpleNamespace(**implementations("ascend"))
 
 
 @pytest.mark.parametrize("ops_name", ["torch", "ascend-emulated"])

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lmcache_backend.blend.cached_kv import LayerStream
 from lmcache_backend.blend.compute import BlendCompute, ScoreReducer
 from lmcache_backend.blend.engine_side import KVTarget, as_target
 from lmcache_backend.blend.layer_blend import blend_layer_kv
@@ -186,6 +187,8 @@ class LMCBlender:
         timer = self.timer if timer is None else timer
         timer.mark()
         meta = self._plan(request, timer)
+        if target.streams_layers and meta.task is not None:
+            meta.stream = LayerStream(meta, self.compute, target)
         token_ids = torch.as_tensor(request.token_ids, dtype=torch.int64)
         if meta.config.blend_selection in PREVIEW_SELECTIONS and meta.schedule:
             yield from _tagged("preview", preview_selection(meta, token_ids, target, self.compute))

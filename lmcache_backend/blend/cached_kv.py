@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lmcache_backend.blend.compute import BlendCompute
+from lmcache_backend.blend.engine_side import KVTarget
 from lmcache_backend.blend.request import BlendMetadata
 
 
@@ -29,17 +30,10 @@ def cached_layers(meta: BlendMetadata, compute: BlendCompute) -> tuple[torch.Ten
         values = torch.zeros_like(keys)
     else:
         keys, values = stacked[0].view(shape), stacked[1].view(shape)
-    original = meta.task.original_positions
-    if meta.cached_prefix is not None:
-        prefix_k, prefix_v = meta.cached_prefix
-        n = prefix_k[0].shape[0]
-        for layer in range(layers):
-            keys[layer, :n] = prefix_k[layer].reshape(n, heads, dim)
-            values[layer, :n] = prefix_v[layer].reshape(n, heads, dim)
-        original = original.clone()
-        original[:n] = meta.positions[:n]
+    for layer in range(layers):
+        _fill_prefix(keys[layer], values[layer], meta, layer)
     meta.timer.lap("load")
-    _rerotate(keys, original, meta, compute)
+    _rerotate(keys, _original_positions(meta), meta, compute)
     meta.timer.lap("rerotate")
     meta.cached_kv = (keys, values)
     return meta.cached_kv
@@ -49,7 +43,10 @@ def cached_layer(
     layer_id: int, meta: BlendMetadata, compute: BlendCompute
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Retrieved ``[T, Hkv, D]`` K/V of ``layer_id``, keys re-rotated to the new positions:
-    views into the request's :func:`cached_layers` (the blend scatters into them)."""
+    views into the request's :func:`cached_layers` (the blend scatters into them), or, when the
+    request streams its layers, the :class:`LayerStream`'s buffers of that layer."""
+    if meta.stream is not None:
+        return meta.stream.layer(layer_id)
     keys, values = cached_layers(meta, compute)
     return keys[layer_id], values[layer_id]
 
@@ -89,3 +86,97 @@ def _rerotate(
             model.is_neox,
         )
         keys[:, rows] = picked.transpose(0, 1)
+
+
+class LayerStream:
+    """The cached K/V of one request, one layer at a time, for a target that
+    ``streams_layers``: each layer's rows (retrieved, the cached prefix filled in, keys
+    re-rotated) are written into the target the first time the layer is asked for, and only two
+    layers are ever held (``2 x 2 x [T, Hkv, D]`` in the model's dtype).
+
+    On CUDA the next layer's copies from the store run on a side stream, from page-locked host
+    memory where the store keeps it, while the current layer computes; elsewhere they run when
+    the layer is asked for.
+
+    Args:
+        meta: the request (its ``task``, ``cached_prefix``, positions and valid rows).
+        compute: the model adapter and ops.
+        target: where each layer's cached rows go.
+    """
+
+    def __init__(self, meta: BlendMetadata, compute: BlendCompute, target: KVTarget) -> None:
+        model = compute.model
+        self.meta, self.compute, self.target = meta, compute, target
+        shape = (meta.positions.numel(), model.num_kv_heads, model.head_dim)
+        self._buffers = [
+            tuple(torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(2))
+            for _ in range(2)
+        ]
+        self._layer_in = [-1, -1]  # which layer each buffer holds (after its copy)
+        self._ready: list[torch.cuda.Event | None] = [None, None]
+        self._current = -1  # the layer last handed out (re-rotated and written)
+        self._side = torch.cuda.Stream(device=model.device) if model.device.type == "cuda" else None
+        self._every = torch.arange(shape[0], device=meta.positions.device)
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s cached K/V ``[T, Hkv, D]``, re-rotated and written into the
+        target; valid until the layer after next is asked for (the caller may scatter into
+        them: the target already holds the cached rows)."""
+        slot = layer_id % 2
+        keys, values = self._buffers[slot]
+        if self._current == layer_id:
+            return keys, values
+        if self._layer_in[slot] != layer_id:
+            self._fetch(layer_id, slot)
+        if self._ready[slot] is not None:
+            torch.cuda.current_stream(keys.device).wait_event(self._ready[slot])
+        self.meta.timer.lap("load")
+        _fill_prefix(keys, values, self.meta, layer_id)
+        original = _original_positions(self.meta)
+        _rerotate(keys.unsqueeze(0), original, self.meta, self.compute)
+        self.meta.timer.lap("rerotate")
+        self.target.write_rows(layer_id, self._every, keys, values)
+        self.meta.timer.lap("write-back")
+        self._current = layer_id
+        if layer_id + 1 < self.compute.model.num_layers:
+            self._fetch(layer_id + 1, 1 - slot)  # overlaps this layer's compute on CUDA
+        return keys, values
+
+    def _fetch(self, layer_id: int, slot: int) -> None:
+        keys, values = self._buffers[slot]
+        task = self.meta.task
+        if self._side is None:
+            task.fill_layer(layer_id, keys, values)
+            self._ready[slot] = None
+        else:
+            # the buffer's previous layer may still be read by work queued on the compute stream
+            self._side.wait_stream(torch.cuda.current_stream(keys.device))
+            with torch.cuda.stream(self._side):
+                task.fill_layer(layer_id, keys, values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._side)
+            self._ready[slot] = event
+        self._layer_in[slot] = layer_id
+
+
+def _fill_prefix(
+    keys: torch.Tensor, values: torch.Tensor, meta: BlendMetadata, layer_id: int
+) -> None:
+    """The engine's own prefix rows of ``layer_id`` into ``keys``/``values`` ``[T, Hkv, D]``."""
+    if meta.cached_prefix is None:
+        return
+    prefix_k, prefix_v = meta.cached_prefix
+    n = prefix_k[0].shape[0]
+    keys[:n] = prefix_k[layer_id].reshape(n, *keys.shape[1:])
+    values[:n] = prefix_v[layer_id].reshape(n, *values.shape[1:])
+
+
+def _original_positions(meta: BlendMetadata) -> torch.Tensor:
+    """``[T]`` positions the cached rows were computed at (the prefix's: where they stand)."""
+    original = meta.task.original_positions
+    if meta.cached_prefix is None:
+        return original
+    n = meta.cached_prefix[0][0].shape[0]
+    original = original.clone()
+    original[:n] = meta.positions[:n]
+    return original

@@ -45,10 +45,16 @@ class KVTarget:
             :meth:`write_layer` and attention runs on the op registry.
         runs_engine_forward: :meth:`forward_rows` can compute a fixed selection's rows in the
             engine's own forward pass (a paged target only).
+        streams_layers: a paged target that keeps every row written to it and needs no
+            contiguous copy of them (its attention reads the rows where they are): the blender
+            then holds the cached K/V of one layer at a time (each layer's cached rows are
+            written just before the layer is computed) instead of every layer's, and the
+            blended K/V stay in the target only (the result's ``keys``/``values`` are empty).
     """
 
     paged_attention: bool = False
     runs_engine_forward: bool = False
+    streams_layers: bool = False
 
     def write_layer(self, layer_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """``keys``, ``values``: ``[T, Hkv, D]`` of every token of the request, final."""
@@ -65,12 +71,13 @@ class KVTarget:
         q: torch.Tensor,
         positions: torch.Tensor,
         scale: float,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
     ) -> torch.Tensor:
         """``q [N, Hq, D]`` at sorted ``positions [N]`` over the written keys ``0..p`` of each
         query -> ``[N, Hq, D]``. ``keys``/``values`` ``[T, Hkv, D]``: the same rows as the
-        layer's written ones, contiguous (a target may attend over them instead)."""
+        layer's written ones, contiguous (a target may attend over them instead); None for a
+        target that ``streams_layers``."""
         raise NotImplementedError(f"{type(self).__name__} is not a paged target")
 
     def forward_rows(

@@ -36,8 +36,8 @@ def blend_layer_kv(
     compute: BlendCompute,
 ) -> tuple[
     torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor | None,
     torch.Tensor | None,
     torch.Tensor | None,
 ]:
@@ -53,14 +53,20 @@ def blend_layer_kv(
 
     Returns:
         ``(q, keys, values, residual, attn_output)``: q/residual/attn_output reduced to the
-        tokens still active, and the blended ``[T, Hkv, D]`` K/V.
+        tokens still active, and the blended ``[T, Hkv, D]`` K/V (None when the target holds
+        them and nothing was retrieved, see ``BlendMetadata.cached_in_target``).
     """
     ops = compute.ops
     num_tokens = meta.positions.numel()
     all_active = meta.active.numel() == num_tokens
     is_check = layer_id in meta.schedule
     if meta.task is not None and (is_check or not all_active):
-        keys, values = cached_layer(layer_id, meta, compute)
+        if meta.cached_in_target and not is_check:
+            # a streamed preview left every layer's cached rows in the target, where the
+            # active rows' attention reads them: nothing to retrieve or blend here
+            keys = values = None
+        else:
+            keys, values = cached_layer(layer_id, meta, compute)
     elif all_active:
         # Every row is about to be replaced by a fresh one: nothing to retrieve.
         keys, values = k, v
@@ -81,11 +87,12 @@ def blend_layer_kv(
             residual = ops.gather_rows(residual, keep)
         if attn_output is not None:
             attn_output = ops.gather_rows(attn_output, keep)
-    if keys is not k:
+    if keys is not None and keys is not k:
         ops.scatter_rows(keys, meta.active, k)
         ops.scatter_rows(values, meta.active, v)
-    meta.keys.append(keys)
-    meta.values.append(values)
+    if meta.stream is None:  # a streaming target keeps the blended rows itself
+        meta.keys.append(keys)
+        meta.values.append(values)
     meta.token_layers += meta.active.numel()
     return q, keys, values, residual, attn_output
 

@@ -40,9 +40,11 @@ def run_layers(
     preview), receives the value-weighted attention mass of every layer.
 
     With a paged target each layer's rows go into the engine's paged cache and attention runs
-    there; otherwise attention runs on the op registry's ``attention_at_positions`` and the
-    target receives each finished layer. A fixed selection without logits runs through the
-    engine's own forward pass where the target offers one."""
+    there (a target that ``streams_layers`` receives each layer's cached rows from the
+    request's :class:`~lmcache_backend.blend.cached_kv.LayerStream`, then its computed rows);
+    otherwise attention runs on the op registry's ``attention_at_positions`` and the target
+    receives each finished layer. A fixed selection without logits runs through the engine's own
+    forward pass where the target offers one."""
     model, ops, timer = compute.model, compute.ops, meta.timer
     if (
         not last_output
@@ -62,6 +64,11 @@ def run_layers(
     for layer in range(model.num_layers):
         if meta.active.numel() == 0:
             # nothing left to compute before compute_end: the layers hold the cached rows
+            if meta.stream is not None:
+                if not meta.cached_in_target:
+                    cached_layer(layer, meta, compute)  # the stream writes its rows
+                yield layer
+                continue
             keys, values = cached_layer(layer, meta, compute)
             meta.keys.append(keys)
             meta.values.append(values)

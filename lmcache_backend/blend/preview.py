@@ -59,6 +59,7 @@ def preview_selection(
         query_start=meta.query_start,
         cached_prefix=meta.cached_prefix,
         timer=meta.timer,
+        stream=meta.stream,
     )
     mass = PreviewMass(
         meta.positions.numel(), valid.device, config.blend_selection == QUERY_PREVIEW_LAST
@@ -84,6 +85,8 @@ def preview_selection(
     scores[: meta.exact_prefix] = LAST_RESORT
     chosen[select_topk_with_invalid(scores, valid, count)] = True
     meta.cached_kv = preview.cached_kv
+    # a streamed preview wrote every layer's cached rows into the target on its way
+    meta.cached_in_target = meta.stream is not None
     meta.token_layers = preview.token_layers
     meta.fix_selection(chosen)
 

@@ -94,6 +94,10 @@ class BlendMetadata:
             in a fallback (the engine holds no cache slots for them): a fallback runs as the
             full prefill of tokens ``0..compute_end-1`` alone.
         timer: the request's phase timer (:mod:`lmcache_backend.blend.timing`).
+        stream: with a target that ``streams_layers``, the cached K/V one layer at a time
+            (:class:`~lmcache_backend.blend.cached_kv.LayerStream`); else None.
+        cached_in_target: every layer's cached rows are already in the target (a streamed
+            preview wrote them): the blend computes its rows without retrieving again.
     """
 
     positions: torch.Tensor
@@ -115,6 +119,8 @@ class BlendMetadata:
     compute_end: int | None = None
     strict_end: bool = False
     timer: Any = NO_TIMER
+    stream: Any = None
+    cached_in_target: bool = False
 
     def drop_tail(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (indices into ``active``) without the tokens left to the engine."""

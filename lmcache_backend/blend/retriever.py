@@ -65,6 +65,19 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
             v[start : start + n] = kv.values[layer_id].reshape(n, width).to(self.device, self.dtype)
         return BlendRetrieverResult(k, v, self.valid_mask, self.original_positions)
 
+    def fill_layer(
+        self, layer_id: int, keys: torch.Tensor, values: torch.Tensor, non_blocking: bool = False
+    ) -> None:
+        """Write layer ``layer_id``'s cached K/V into ``keys``/``values`` (``[T, Hkv, D]``, on
+        any device): hit rows copied, every other row zero. ``non_blocking``: the copies from
+        page-locked host memory may run asynchronously on the current stream."""
+        keys.zero_()
+        values.zero_()
+        for start, kv in self.hits:
+            n = kv.num_tokens
+            keys[start : start + n].copy_(kv.keys[layer_id], non_blocking=non_blocking)
+            values[start : start + n].copy_(kv.values[layer_id], non_blocking=non_blocking)
+
     def stacked(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer's cached K and V at once, ``[L, T, Hkv*D]`` each (rows of uncached
         tokens are zero), or None without hits.

@@ -10,8 +10,12 @@
 * vLLM's own forward pass (``engine_forward``): runs a fixed selection's tokens through the
   compiled model over the paged cache.
 
-Without paged attention (any other backend) the blender attends with the op registry's
-``attention_at_positions`` and writes each finished layer.
+On CUDA and Ascend (a :class:`~lmcache_backend.integration.vllm.layouts.DeviceLayout`) the
+selected queries attend over the request's blocks through the op registry's
+``paged_attention_at_positions`` (the layout's :meth:`attention`), and the blend streams its
+layers: one layer's cached K/V at a time, written into the blocks before it is computed.
+vLLM's own forward pass is not used there: its attention metadata is built by each backend's
+own builder, which differs per backend and release (see ``docs/cuda.md``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ import torch
 
 from lmcache_backend.config import ConfigError
 from lmcache_backend.integration.vllm.engine_forward import EngineForward, SelectedQueriesAttention
-from lmcache_backend.integration.vllm.layouts import CpuAttention, CpuLayout, PagedLayout
+from lmcache_backend.integration.vllm.layouts import (
+    CpuAttention,
+    CpuLayout,
+    DeviceLayout,
+    PagedLayout,
+)
 from lmcache_backend.integration.vllm.settings import ConnectorSettings
 from lmcache_backend.models.vllm import VLLMModelAdapter
 from lmcache_backend.ops import Ops
@@ -41,11 +50,19 @@ class SelectedAttention:
         tiled: the backend's ``attention_at_positions`` kernel over the blend's contiguous K/V
             (with ``paged`` only).
         engine_forward: vLLM's forward pass of a fixed selection (with ``paged`` only).
+        device: CUDA/Ascend: the selected queries attend over the blocks through the layout
+            (:meth:`DeviceLayout.attention`), and the blend streams its layers.
     """
 
     paged: CpuAttention | None = None
     tiled: SelectedQueriesAttention | None = None
     engine_forward: EngineForward | None = None
+    device: bool = False
+
+    @property
+    def reads_blocks(self) -> bool:
+        """Whether the selected queries attend over the request's blocks."""
+        return self.paged is not None or self.device
 
 
 def choose_attention(
@@ -63,6 +80,10 @@ def choose_attention(
         ConfigError: ``selected_attention="tiled"`` and the backend has no kernel for these
             queries.
     """
+    if isinstance(layout, DeviceLayout):
+        if model.max_exact_tokens is not None:  # sliding window: the blender falls back
+            return SelectedAttention()
+        return SelectedAttention(device=True)
     paged = _paged_attention(vllm_config, layer_names, caches, layout, model)
     if paged is None:
         return SelectedAttention()

@@ -58,7 +58,7 @@ class PagedCacheTarget(KVTarget):
         """Write tokens ``start..stop-1`` to ``slots`` (``[stop - start]``); with ``block_ids``
         (the request's whole block table, ``stop`` its last token + 1) attend over them too."""
         self.slots, self.start, self.stop = slots, start, stop
-        self.block_ids = block_ids if self.kernels.paged is not None else None
+        self.block_ids = block_ids if self.kernels.reads_blocks else None
         self._plan = None
         self.paged_layers = 0  # layers of the current request attended over the paged cache
         self.engine_previewed = False  # the request's preview ran through vLLM's forward pass
@@ -70,6 +70,12 @@ class PagedCacheTarget(KVTarget):
     @property
     def paged_attention(self) -> bool:
         return self.block_ids is not None
+
+    @property
+    def streams_layers(self) -> bool:
+        """On CUDA and Ascend: the rows stay in the blocks, attended there (one layer's cached
+        K/V held at a time)."""
+        return self.kernels.device and self.paged_attention
 
     @property
     def runs_engine_forward(self) -> bool:
@@ -136,12 +142,15 @@ class PagedCacheTarget(KVTarget):
         q: torch.Tensor,
         positions: torch.Tensor,
         scale: float,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V; with the
-        tiled kernel, over ``keys``/``values`` ``[T, Hkv, D]`` (the same rows, contiguous)."""
+        """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V (on CUDA and
+        Ascend through the block table); with the tiled kernel, over ``keys``/``values``
+        ``[T, Hkv, D]`` (the same rows, contiguous)."""
         self.paged_layers += 1
+        if self.kernels.device:
+            return self.layout.attention(self.caches[layer_id], q, self.block_ids, positions, scale)
         if self.kernels.tiled is not None:
             return self.kernels.tiled(q, keys, values, positions, scale)
         plan = self._plan

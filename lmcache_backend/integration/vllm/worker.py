@@ -40,8 +40,10 @@ from lmcache_backend.integration.vllm.paged_target import PagedCacheTarget
 from lmcache_backend.integration.vllm.saves import SegmentSaver
 from lmcache_backend.integration.vllm.settings import ConnectorSettings
 from lmcache_backend.integration.vllm.stats import BlendRecord, BlendStats, LoadTiming
+from lmcache_backend.models.base import ModelAdapter
 from lmcache_backend.models.vllm import VLLMModelAdapter
 from lmcache_backend.ops import Ops, get_ops
+from lmcache_backend.ops.device import detect_platform
 from lmcache_backend.storage import create_store
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class WorkerSide:
         self.caches: list[LayerCache] = []
         self.layer_names: list[str] = []
         self.layout: PagedLayout | None = None
-        self.model: VLLMModelAdapter | None = None
+        self.model: ModelAdapter | None = None
         self.store = None
         self.stats: BlendStats | None = None
         self.saver: SegmentSaver | None = None
@@ -87,13 +89,22 @@ class WorkerSide:
             self._ensure_ready()
 
     def _ensure_ready(self) -> None:
-        """Build everything that needs the model (once)."""
-        if self.model is not None:
-            return
+        """Build everything that needs the model (once): the engine's loaded model, seen
+        through the vLLM adapter."""
+        if self.model is None:
+            self.build(VLLMModelAdapter(ModelTracker.get_model(ENGINE_NAME), self.vllm_config))
+
+    def build(self, model: ModelAdapter) -> None:
+        """Build the layout, the attention kernels, the store and the blender for ``model``
+        (the engine's model as an adapter) over the registered caches.
+
+        Raises:
+            RuntimeError: no caches were registered, their number is not the model's layer
+                count, or re-rotated keys would not equal fresh ones for this model.
+        """
         if not self.caches:
             raise RuntimeError("CacheBlend: no KV caches were registered")
         settings = self.settings
-        model = VLLMModelAdapter(ModelTracker.get_model(ENGINE_NAME), self.vllm_config)
         if len(self.caches) != model.num_layers:
             raise RuntimeError(
                 f"CacheBlend: {len(self.caches)} KV caches for {model.num_layers} layers"
@@ -130,7 +141,7 @@ class WorkerSide:
         self.model = model
         logger.info(
             "CacheBlend worker ready: %s, %d layers, %s layout, ops %s",
-            type(model.model).__name__,
+            model.fingerprint.architecture,
             model.num_layers,
             type(self.layout).__name__,
             ops.name,
@@ -142,7 +153,7 @@ class WorkerSide:
         ops = get_ops(self.settings.config.backend)
         return tensor_parallel.consistent_ops(ops) if self.settings.tp_size > 1 else ops
 
-    def _make_store(self, model: VLLMModelAdapter) -> Any:
+    def _make_store(self, model: ModelAdapter) -> Any:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self.settings.tp_size > 1 else 0
@@ -159,12 +170,10 @@ class WorkerSide:
             instance_id=self.settings.rank_instance(rank),
         )
 
-    def _make_layout(self, model: VLLMModelAdapter, ops: Ops) -> PagedLayout:
-        from vllm.platforms import current_platform
-
+    def _make_layout(self, model: ModelAdapter, ops: Ops) -> PagedLayout:
         cache = self.caches[0]
         context = self.vllm_config.compilation_config.static_forward_context
-        if current_platform.is_cpu():
+        if detect_platform() == "cpu":
             layer = context[self.layer_names[0]]
             return CpuLayout(
                 self.profile.cpu_cache_writer(),

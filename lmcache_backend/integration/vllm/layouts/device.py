@@ -126,6 +126,33 @@ class DeviceLayout(PagedLayout):
         k_cache, v_cache = self.views(cache)
         return self.ops.paged_kv_read(k_cache, v_cache, slots.to(k_cache.device))
 
+    def kernel_block_table(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """The request's scheduler blocks ``block_ids [nb]`` as the cache's own blocks
+        ``[nb * r]`` (``r = block_size / kernel_block_size``): scheduler block ``b`` holds kernel
+        blocks ``b * r .. b * r + r - 1``, in order."""
+        ratio = self.block_size // self.kernel_block_size
+        if ratio == 1:
+            return block_ids
+        within = torch.arange(ratio, dtype=block_ids.dtype, device=block_ids.device)
+        return (block_ids[:, None] * ratio + within[None, :]).flatten()
+
+    def attention(
+        self,
+        cache: LayerCache,
+        q: torch.Tensor,
+        block_ids: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [N, Hq, D]`` at sorted ``positions [N]`` over one request's rows of ``cache``,
+        read through its block table (``block_ids``: the request's scheduler blocks), by the op
+        registry's ``paged_attention_at_positions`` -> ``[N, Hq, D]``."""
+        k_cache, v_cache = self.views(cache)
+        table = self.kernel_block_table(block_ids.to(k_cache.device))
+        return self.ops.paged_attention_at_positions(
+            q, k_cache, v_cache, table, positions.to(k_cache.device), scale
+        )
+
     def describe(self) -> str:
         """One line for the start-up log."""
         blocks = (
