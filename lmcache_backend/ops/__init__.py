@@ -33,7 +33,14 @@ _BACKEND_MODULES = {
     "cuda": "lmcache_backend.backends.cuda",
     "ascend": "lmcache_backend.backends.ascend",
 }
-_AUTO_BY_PLATFORM = {"cuda": "cuda", "npu": "ascend", "cpu": "torch"}
+# ROCm and XPU have no backend of their own (the CUDA kernels are not run there): the reference
+_AUTO_BY_PLATFORM = {
+    "cuda": "cuda",
+    "npu": "ascend",
+    "cpu": "torch",
+    "rocm": "torch",
+    "xpu": "torch",
+}
 
 
 class BackendUnavailable(RuntimeError):
@@ -109,7 +116,7 @@ def _load_backend(name: str) -> Ops:
 def _get_ops_cached(name: str) -> Ops:
     if name != "auto":
         return _load_backend(name)
-    preferred = _AUTO_BY_PLATFORM[detect_platform()]
+    preferred = _AUTO_BY_PLATFORM.get(detect_platform(), "torch")
     try:
         return _load_backend(preferred)
     except BackendUnavailable as exc:
