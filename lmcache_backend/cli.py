@@ -41,7 +41,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from lmcache_backend import doctor
+    from lmcache_backend.commands import doctor
 
     return doctor.main(args)
 

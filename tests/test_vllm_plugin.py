@@ -60,3 +60,75 @@ def test_doctor_section_reports_versions_and_hook() -> None:
     assert values["vLLM"].startswith("0.32.0")
     assert "stable" in values["matrix row"]
     assert values["plugin entry point"] == "registered"
+    assert values["code path"].startswith("vLLM 0.29.0-0.33.0 (covers vLLM 0.29.0 to 0.33.0")
+    assert values["gate"].startswith("runs: vLLM 0.32.0 on CPU")
+    assert values["attention path"] == "vLLM CPU paged attention + tiled kernel"
+    assert values["KV-cache layout"].startswith("CPU_ATTN LBHNC: [num_blocks, num_kv_heads")
+
+
+def test_wrap_passes_every_argument_through() -> None:
+    """load_model's parameters differ by release (eep_scale_up, load_dummy_weights, model=)."""
+    seen = {}
+
+    class Runner:
+        def load_model(self, load_dummy_weights=False, *args, model=None, **kwargs):
+            seen.update(dummy=load_dummy_weights, model=model, kwargs=kwargs)
+            self.model = object()
+
+    plugin_mod._wrap(Runner)
+    Runner().load_model(True, model="m", eep_scale_up=True)
+    assert seen == {"dummy": True, "model": "m", "kwargs": {"eep_scale_up": True}}
+    ModelTracker.unregister_model(ENGINE_NAME)
+
+
+def _fake_runner_module(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> type:
+    import sys
+    import types
+
+    class FakeRunner:
+        def load_model(self, *args, **kwargs):
+            self.model = types.SimpleNamespace(loaded_by=module)
+
+    FakeRunner.__name__ = name
+    fake = types.ModuleType(module)
+    setattr(fake, name, FakeRunner)
+    monkeypatch.setitem(sys.modules, module, fake)
+    return FakeRunner
+
+
+@pytest.mark.parametrize("platform", ["cuda", "npu", "cpu"])
+def test_register_wraps_every_runner_the_release_may_build(monkeypatch, platform: str) -> None:
+    """From 0.12 the V2 runner, a separate class, loads the model too (the default on CUDA from
+    0.29); on NPU vllm-ascend's V1 runner, and its V2 runner through vLLM's V2 load_model."""
+    from lmcache_backend.compat import gate
+    from lmcache_backend.compat.vllm import profile_for
+    from lmcache_backend.ops import device
+
+    profile = profile_for("0.33.0")
+    classes = {
+        r.label: _fake_runner_module(monkeypatch, r.module, r.name)
+        for r in profile.runners(platform)
+    }
+    assert len(classes) == (1 if platform == "cpu" else 2)
+    monkeypatch.setattr(gate, "code_path", lambda: profile)
+    monkeypatch.setattr(device, "engine_platform", lambda: platform)
+    monkeypatch.setitem(plugin_mod._state, "registered", False)
+    monkeypatch.setitem(plugin_mod._state, "wrapped", [])
+    plugin_mod.register()
+    assert plugin_mod.hook_status()["wrapped"] == [f"{label}.load_model" for label in classes]
+    for label, cls in classes.items():
+
+        class Inheriting(cls):  # vllm-ascend's V2 NPUModelRunner defines no load_model
+            pass
+
+        ModelTracker.unregister_model(ENGINE_NAME)
+        Inheriting().load_model()
+        assert ModelTracker.get_model(ENGINE_NAME).loaded_by == label.rsplit(".", 1)[0]
+    ModelTracker.unregister_model(ENGINE_NAME)
+
+
+def test_register_skips_a_runner_this_build_lacks(monkeypatch) -> None:
+    from lmcache_backend.compat.profile import Runner
+
+    missing = Runner("vllm", "x.py", "lmcache_backend_no_such_module", "Runner")
+    assert plugin_mod.install_hooks([missing]) == []

@@ -40,12 +40,13 @@ REPO = Path(__file__).resolve().parent.parent
 SCHEMA = 1
 
 #: Releases recorded by default. vLLM: 0.9.2, the last patch of each minor from 0.10 on, plus
-#: 0.10.0 and 0.11.0, the releases ``lmcache_backend.compat.vllm`` has a profile for.
+#: 0.10.0 and 0.11.0, where the LMCache matrix has rows, and 0.9.1, which vllm-ascend 0.9.1 pins.
 RELEASES: dict[str, list[str]] = {
     "vllm": [
-        "0.9.2", "0.10.0", "0.10.2", "0.11.0", "0.11.2", "0.12.0", "0.13.0", "0.14.1", "0.15.1",
-        "0.16.0", "0.17.1", "0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0",
-        "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+        "0.9.1", "0.9.2", "0.10.0", "0.10.2", "0.11.0", "0.11.2", "0.12.0", "0.13.0", "0.14.1",
+        "0.15.1", "0.16.0", "0.17.1", "0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0",
+        "0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+        "0.33.0",
     ],
     "vllm-ascend": ["0.9.1", "0.11.0", "0.13.0", "0.18.0", "0.23.0.post1"],
 }  # fmt: skip
@@ -1605,7 +1606,25 @@ def ascend_runner(s: Sources) -> dict[str, Any]:
         out[name] = (
             {"source": src(path, f"NPUModelRunner.{name}"), "params": params(fn)} if fn else None
         )
+    out["v2_runner"] = ascend_v2_runner(s)
     return out
+
+
+def ascend_v2_runner(s: Sources) -> dict[str, Any] | None:
+    """The V2 ``NPUModelRunner`` (``worker/v2/model_runner.py``): its bases and whether it
+    defines ``load_model`` itself (null: inherited, from vLLM's V2 ``GPUModelRunner``)."""
+    path = ASC + "worker/v2/model_runner.py"
+    cls = find_class(s.tree(path), "NPUModelRunner")
+    if cls is None:
+        return None
+    fn = class_method(cls, "load_model")
+    return {
+        "class": src(path, "NPUModelRunner"),
+        "bases": [ast.unparse(b) for b in cls.bases],
+        "load_model": (
+            {"source": src(path, "NPUModelRunner.load_model"), "params": params(fn)} if fn else None
+        ),
+    }
 
 
 def ascend_worker(s: Sources) -> dict[str, Any]:
@@ -1627,6 +1646,16 @@ def ascend_worker(s: Sources) -> dict[str, Any]:
             if any(m.endswith("._init_worker_distributed_environment") for m in methods)
             else None,
         }
+        # which runner the worker builds: every assignment to self.use_v2_model_runner
+        choice = [
+            (n.lineno, ast.unparse(n), src(path, f"NPUWorker.{fn.name}"))
+            for fn in cls.body
+            if isinstance(fn, FuncDef)
+            for n in own_nodes(fn)
+            if isinstance(n, ast.Assign)
+            and any(ast.unparse(t) == "self.use_v2_model_runner" for t in n.targets)
+        ]
+        out["use_v2_model_runner"] = [{"code": c, "source": w} for _, c, w in sorted(choice)]
         for name in (
             "load_model",
             "initialize_from_config",

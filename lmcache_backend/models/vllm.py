@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lmcache_backend.compat.vllm import current_profile
+from lmcache_backend.compat.gate import current_profile
 from lmcache_backend.models.base import (
     ModelAdapter,
     pure_rotation_table,
@@ -111,12 +111,13 @@ def vllm_fingerprint(vllm_config: Any) -> ModelFingerprint:
 
 def _cpu_rotary_op() -> Any:
     """vLLM's ``_custom_ops`` when it has the CPU rotary op, else None."""
+    from lmcache_backend.ops.device import engine_platform
+
     try:
         from vllm import _custom_ops
-        from vllm.platforms import current_platform
     except ImportError:
         return None
-    if not current_platform.is_cpu() or not hasattr(_custom_ops, "rotary_embedding"):
+    if engine_platform() != "cpu" or not hasattr(_custom_ops, "rotary_embedding"):
         return None
     return _custom_ops
 
@@ -351,7 +352,7 @@ class VLLMModelAdapter(ModelAdapter):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self._norm(self._decoder.norm, self._unrounded(hidden))
         self._pending = None
-        out = self.model.compute_logits(normed)
+        out = self._profile.compute_logits(self.model, normed)
         if out is None:  # tensor-parallel ranks other than the first receive no gathered logits
             vocab = self.model.lm_head.org_vocab_size
             return torch.zeros(hidden.shape[0], vocab, device=hidden.device)

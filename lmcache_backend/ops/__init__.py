@@ -41,7 +41,14 @@ _BACKEND_MODULES = {
     "cuda": "lmcache_backend.backends.cuda",
     "ascend": "lmcache_backend.backends.ascend",
 }
-_AUTO_BY_PLATFORM = {"cuda": "cuda", "npu": "ascend", "cpu": "cpu"}
+# ROCm and XPU have no backend of their own (the CUDA kernels are not run there): the reference
+_AUTO_BY_PLATFORM = {
+    "cuda": "cuda",
+    "npu": "ascend",
+    "cpu": "cpu",
+    "rocm": "torch",
+    "xpu": "torch",
+}
 
 #: ``verify(*args, **kwargs) -> reason to decline the call, or None``
 Verifier = Callable[..., "str | None"]

@@ -39,23 +39,71 @@ def _entry_point_registered() -> bool:
     return any(ep.value == PLUGIN_ENTRY_POINT for ep in group)
 
 
-def doctor_section() -> tuple[str, list[tuple[str, str]]]:
-    """``(title, [(label, value), ...])`` describing the vLLM integration in this environment."""
-    from lmcache_backend.compat import UnsupportedVersions, detect_versions, matrix_row
-    from lmcache_backend.compat.vllm import check_versions
+#: The attention path of the blend on each platform (a later change makes this exact per release).
+ATTENTION_PATHS = {
+    "cpu": "vLLM CPU paged attention + tiled kernel",
+    "cuda": "op registry attention (Triton)",
+    "npu": "torch-npu ops",
+}
+
+
+def _engine_rows(platform: str, engine_here: bool) -> list[tuple[str, str]]:
+    """The gate's decision for this environment on ``platform`` and what the code path uses."""
+    from lmcache_backend.compat import matrix_row
+    from lmcache_backend.compat.ascend import NPU_KV_CACHE_LAYOUT
+    from lmcache_backend.compat.gate import decide, installed_probe
+    from lmcache_backend.compat.versions import detect_versions
 
     versions = detect_versions()
+    ascend = versions.vllm_ascend if platform == "npu" else None
+    row = matrix_row(versions.vllm, None, ascend) if versions.vllm else None
+    rows = [("matrix row", row.describe() if row else "none (see docs/vllm.md#versions)")]
+    decision = decide(versions, platform, False, installed_probe)
+    if not decision.runs and decision.untested:
+        forced = decide(versions, platform, True, installed_probe)
+        rows.append(("gate", f"refused: {decision.message}"))
+        rows.append(("with allow_untested", forced.message))
+        decision = forced
+    else:
+        rows.append(("gate", ("runs: " if decision.runs else "refused: ") + decision.message))
+    profile = decision.profile
+    if profile is None:
+        return rows
+    span = f"vLLM {profile.first} to {profile.last}"
+    rows.append(("code path", f"{profile.name} (covers {span}; installed {profile.release})"))
+    when = "in this engine" if engine_here else "no engine running here; an engine will use"
+    rows.append(("platform", f"{platform} ({when})"))
+    rows.append(("attention path", ATTENTION_PATHS.get(platform, "none")))
+    layout = NPU_KV_CACHE_LAYOUT if platform == "npu" else profile.kv_cache_layouts.get(platform)
+    rows.append(("KV-cache layout", layout.describe() if layout else "not recorded"))
+    runners = ", ".join(r.label for r in profile.runners(platform)) or "none"
+    rows.append(("model runners", runners))
+    return rows
+
+
+def doctor_section() -> tuple[str, list[tuple[str, str]]]:
+    """``(title, [(label, value), ...])`` describing the vLLM integration in this environment:
+    versions, the matrix row, the gate's decision, the code path and, without an engine in this
+    process, what an engine here would use (platform, attention path, KV-cache layout)."""
+    from lmcache_backend.compat.versions import detect_versions
+    from lmcache_backend.integration.vllm.plugin import hook_status
+    from lmcache_backend.ops.device import detect_platform, engine_platform
+
+    versions = detect_versions()
+    status = hook_status()
     rows: list[tuple[str, str]] = [
         ("vLLM", versions.vllm or "not installed"),
+        ("vllm-ascend", versions.vllm_ascend or "not installed"),
         ("LMCache", versions.lmcache or "not installed"),
     ]
-    row = matrix_row(versions.vllm, None) if versions.vllm else None
-    rows.append(("matrix row", row.describe() if row else "none"))
+    # inside an engine vLLM has resolved the platform already; elsewhere torch tells, without
+    # importing vLLM (seconds)
+    engine_here = bool(status["model_recorded"])
+    platform = engine_platform() if engine_here else detect_platform()
     try:
-        profile = check_versions()
-        rows.append(("code path", f"vLLM {profile.release}"))
-    except UnsupportedVersions as exc:
-        rows.append(("code path", f"unsupported: {exc}"))
+        rows += _engine_rows(platform, engine_here)
+    except Exception as exc:  # noqa: BLE001 - report, do not fail
+        rows.append(("gate", f"unavailable: {exc}"))
     try:
         from lmcache_backend.config import load_config
         from lmcache_backend.ops import get_ops
@@ -64,11 +112,8 @@ def doctor_section() -> tuple[str, list[tuple[str, str]]]:
     except Exception as exc:  # noqa: BLE001 - report, do not fail
         rows.append(("backend in use", f"unavailable: {exc}"))
     rows.append(("plugin entry point", "registered" if _entry_point_registered() else "missing"))
-    from lmcache_backend.integration.vllm.plugin import hook_status
-
-    status = hook_status()
     hook = ", ".join(status["wrapped"]) or "not installed in this process"
     rows.append(("plugin hook", hook))
-    rows.append(("model recorded", "yes" if status["model_recorded"] else "no (no engine here)"))
+    rows.append(("model recorded", "yes" if engine_here else "no (no engine here)"))
     rows.append(("connector", f"{CONNECTOR_NAME} from {CONNECTOR_MODULE}"))
     return "vLLM integration", rows

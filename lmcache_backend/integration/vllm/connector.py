@@ -28,7 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from lmcache_backend.compat.vllm import check_versions
+from lmcache_backend.compat.gate import admit
+from lmcache_backend.config import ConfigError
 from lmcache_backend.integration.vllm.layouts import LayerCache
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata
 from lmcache_backend.integration.vllm.scheduler import SchedulerSide
@@ -70,7 +71,9 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     Raises:
         ConfigError: an invalid ``LMCACHE_*`` / extra-config setting.
-        UnsupportedVersions: the installed vLLM/LMCache combination is outside the matrix.
+        UnsupportedVersions: the version gate refuses the installed vLLM / vllm-ascend / LMCache
+            on this platform (:mod:`lmcache_backend.compat.gate`; one line naming what to
+            install).
     """
 
     def __init__(
@@ -78,7 +81,14 @@ class CacheBlendConnector(KVConnectorBase_V1):
     ) -> None:
         _route_logs_like_vllm()
         settings = load_settings(vllm_config)
-        profile = check_versions(force=settings.allow_untested_versions)
+        # the gate, applied once for this process: the model adapter reads what it admits
+        profile = admit(settings.allow_untested_versions)
+        if settings.blend_layers_per_step and not profile.sliced_loads:
+            raise ConfigError(
+                f"blend_layers_per_step={settings.blend_layers_per_step}: sliced loads need "
+                f"vLLM's update_connector_output (vLLM 0.10.2 and later); this is vLLM "
+                f"{profile.release}"
+            )
         if "kv_cache_config" in profile.connector_init_params:
             super().__init__(vllm_config, role, kv_cache_config)
         else:
@@ -100,10 +110,11 @@ class CacheBlendConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide(settings, vllm_config, profile)
         logger.info(
-            "CacheBlendConnector (%s, vLLM %s code path): enable_blending=%s, ratios=%s, "
+            "CacheBlendConnector (%s, vLLM %s, %s code path): enable_blending=%s, ratios=%s, "
             "selection=%s (span %d), check layers=%s, blend_min_tokens=%d, instance %s",
             role.name.lower(),
             profile.release,
+            profile.name,
             settings.config.enable_blending,
             settings.config.blend_recompute_ratios,
             settings.config.blend_selection,
@@ -150,7 +161,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         # loads only (or no tokens at all) after it (vLLM's _get_kv_connector_output,
         # kv_connector_no_forward). Sliced loads start first, then cancels drop blends of
         # aborted requests, and only then do the blends in flight advance.
-        meta = self._get_connector_metadata()
+        meta = self.profile.step_metadata(self)
         for spec in getattr(meta, "loads", ()):
             if spec.sliced:
                 self._worker.start(spec)
@@ -176,9 +187,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._worker.finish_step()
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
+        meta = self.profile.step_metadata(self)
         for spec in getattr(meta, "saves", ()):
             self._worker.save(spec)
 

@@ -1,10 +1,15 @@
 """vLLM general plugin: record each worker's loaded model for the connector, without editing vLLM.
 
-``register()`` runs in every vLLM process (entry point ``vllm.general_plugins``); it wraps the
-platform's model runner ``load_model`` so that, right after loading, the runner's model (unwrapped
-from any CUDA-graph wrapper) is recorded in
+``register()`` runs in every vLLM process (entry point ``vllm.general_plugins``); it wraps
+``load_model`` of every model runner the release may build on this platform (the code path's
+``model_runners``: vLLM's V1 ``GPUModelRunner`` and, from 0.12, its V2 runner, a separate class, on
+CUDA; ``CPUModelRunner`` on CPU; vllm-ascend's ``NPUModelRunner`` and vLLM's V2 runner, whose
+``load_model`` vllm-ascend's V2 runner inherits, on NPU), so that, right after loading, the
+runner's model (unwrapped from any CUDA-graph wrapper) is recorded in
 :class:`~lmcache_backend.integration.vllm.model_tracker.ModelTracker`.
-Wrapping is idempotent: a second ``register()`` changes nothing.
+The plugin never refuses a release: it takes the code path the installed release would run,
+tested or not (:func:`lmcache_backend.compat.gate.code_path`); the connector applies the version
+gate when it starts. Wrapping is idempotent: a second ``register()`` changes nothing.
 """
 
 from __future__ import annotations
@@ -51,10 +56,20 @@ def _wrap(cls: type) -> bool:
     return True
 
 
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    return "cpu" if current_platform.is_cpu() else "cuda"
+def install_hooks(runners: Any) -> list[str]:
+    """Wrap ``load_model`` of each :class:`~lmcache_backend.compat.profile.Runner`; returns the
+    wrapped ones. A runner whose module does not import here (the V2 runner of a build without
+    it, vllm-ascend's runner off an NPU) is skipped: this process cannot build it either."""
+    wrapped = []
+    for runner in runners:
+        try:
+            cls = getattr(importlib.import_module(runner.module), runner.name)
+        except (ImportError, AttributeError) as exc:
+            logger.debug("CacheBlend plugin: %s not hooked: %s", runner.label, exc)
+            continue
+        if _wrap(cls):
+            wrapped.append(f"{runner.label}.load_model")
+    return wrapped
 
 
 def register() -> None:
@@ -63,13 +78,12 @@ def register() -> None:
         return
     _state["registered"] = True
     try:
-        from lmcache_backend.compat.vllm import current_profile
+        from lmcache_backend.compat.gate import code_path
+        from lmcache_backend.ops.device import engine_platform
 
-        profile = current_profile()
-        path, module_name, cls_name = profile.model_runners[_platform()]
-        cls = getattr(importlib.import_module(module_name), cls_name)
-        if _wrap(cls):
-            _state["wrapped"].append(f"{module_name}.{cls_name}.load_model")
+        profile = code_path()
+        if profile is not None:
+            _state["wrapped"].extend(install_hooks(profile.runners(engine_platform())))
     except Exception as exc:  # a plugin failure must not stop vLLM; the connector reports it
         logger.warning("CacheBlend plugin hook not installed: %s", exc)
     try:

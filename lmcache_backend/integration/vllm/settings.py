@@ -51,7 +51,8 @@ class ConnectorSettings:
             at start-up: ``blend_special_str`` as the ids it produces inside text, or, when it
             is empty, blocks of ``blend_block_size`` tokens found at any offset.
         stats_file: optional JSON-lines file receiving one record per blended request.
-        allow_untested_versions: run on a vLLM release outside the matrix.
+        allow_untested_versions: run a vLLM / vllm-ascend release the version gate has no
+            record of with the nearest code path (:mod:`lmcache_backend.compat.gate`).
         verify_on_start: run ``lmcache-backend verify``'s model checks once when the worker is
             ready and log the result (see :mod:`lmcache_backend.commands.verify`).
         num_layers: the model's decoder layers (a request's check layers must exist).
@@ -138,7 +139,9 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         separator=separator,
         stats_file=own.get("stats_file"),
-        allow_untested_versions=bool(own.get("allow_untested_versions", False)),
+        allow_untested_versions=_flag(
+            "allow_untested_versions", own.get("allow_untested_versions", False)
+        ),
         verify_on_start=_flag("verify_on_start", own.get("verify_on_start", False)),
         num_layers=num_layers,
         profile=_flag("profile", own.get("profile", False)),
