@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_config)
 
     p = sub.add_parser("doctor", help="versions, matrix row, backend and hooks in use")
+    from lmcache_backend.commands import doctor
+
+    doctor.add_arguments(p)
     p.set_defaults(func=_doctor)
 
     from lmcache_backend.commands import verify

@@ -73,8 +73,31 @@ SECTIONS: list[Section] = [
 ]
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--vllm",
+        metavar="VERSION",
+        help="instead of what is installed: what the connector would do with this vLLM release",
+    )
+    parser.add_argument("--vllm-ascend", metavar="VERSION", help="with --vllm: on vllm-ascend")
+    parser.add_argument(
+        "--platform",
+        choices=("cpu", "cuda", "npu", "rocm", "xpu"),
+        help="with --vllm: the platform (default: cuda, or npu with --vllm-ascend)",
+    )
+
+
 def main(args: argparse.Namespace | None = None) -> int:
-    for section in SECTIONS:
+    vllm = getattr(args, "vllm", None)
+    if vllm:
+        from lmcache_backend.integration.vllm import what_if_section
+
+        ascend = getattr(args, "vllm_ascend", None)
+        platform = getattr(args, "platform", None) or ("npu" if ascend else "cuda")
+        sections: list[Section] = [lambda: what_if_section(vllm, platform, ascend)]
+    else:
+        sections = SECTIONS
+    for section in sections:
         title, rows = section()
         print(f"[{title}]")
         width = max((len(label) for label, _ in rows), default=0)

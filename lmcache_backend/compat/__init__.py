@@ -21,7 +21,12 @@ from lmcache_backend.compat.versions import (
     release,
     vkey,
 )
-from lmcache_backend.compat.vllm import PROFILES, SOURCE_ONLY, VERIFIED_ON_ENGINE
+from lmcache_backend.compat.vllm import (
+    CHECKED_SUMMARY,
+    CHECKED_WITHOUT_ENGINE,
+    PROFILES,
+    VERIFIED_ON_ENGINE,
+)
 
 
 class Status(str, Enum):
@@ -77,16 +82,17 @@ def _engine_rows() -> tuple[MatrixRow, ...]:
     """Releases run on a real engine first (an exact row wins over the range holding it), then
     one row per code path, then the vllm-ascend releases."""
     rows = [
-        MatrixRow(v, None, Status.STABLE, "; ".join([*how.values(), f"CUDA: {SOURCE_ONLY}"]))
+        MatrixRow(v, None, Status.STABLE, "; ".join([*how.values(), CHECKED_SUMMARY]))
         for v, how in VERIFIED_ON_ENGINE.items()
     ]
     for p in PROFILES:
-        note = SOURCE_ONLY if p.has_cpu_path else f"{SOURCE_ONLY}; no CPU code path"
+        note = CHECKED_SUMMARY if p.has_cpu_path else f"{CHECKED_SUMMARY}; no CPU code path"
         last = p.last if p.last != p.first else None
         rows.append(MatrixRow(p.first, None, Status.STABLE, note, vllm_last=last))
     for a in ASCEND_RELEASES:
         status = Status.STABLE if a.supported else Status.UNSUPPORTED
-        rows.append(MatrixRow(a.vllm, None, status, a.note or SOURCE_ONLY, vllm_ascend=a.version))
+        note = a.note or CHECKED_WITHOUT_ENGINE["npu"]
+        rows.append(MatrixRow(a.vllm, None, status, note, vllm_ascend=a.version))
     return tuple(rows)
 
 

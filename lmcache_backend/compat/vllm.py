@@ -175,13 +175,24 @@ INCOMPATIBLE: dict[str, str] = {
 
 SOURCE_ONLY = "source contract only"
 
-#: Releases run on a real engine, by platform; everything else is checked on its source only.
+#: How a release that no real engine ran is verified, by platform: its source contract, and on
+#: CUDA and Ascend the connector's whole worker path on CPU tensors shaped as the release hands
+#: its KV cache over (Triton kernels under the interpreter, torch-npu ops emulated).
+CHECKED_WITHOUT_ENGINE: dict[str, str] = {
+    "cuda": "source contract, CUDA-shaped path on CPU tensors",
+    "npu": "source contract, Ascend-shaped path on emulated torch-npu",
+}
+#: The matrix rows' summary of the same (rows are not per platform).
+CHECKED_SUMMARY = "source contract; CUDA- and Ascend-shaped paths on CPU tensors"
+
+#: Releases run on a real engine, by platform; everything else is checked without one.
 VERIFIED_ON_ENGINE: dict[str, dict[str, str]] = {"0.32.0": {"cpu": "CPU build, real engine"}}
 
 
 def verification(version: str, platform: str) -> str:
-    """How ``version`` is verified on ``platform``: on a real engine, or its source only."""
-    return VERIFIED_ON_ENGINE.get(release(version) or "", {}).get(platform, SOURCE_ONLY)
+    """How ``version`` is verified on ``platform``: on a real engine, or without one."""
+    ran = VERIFIED_ON_ENGINE.get(release(version) or "", {}).get(platform)
+    return ran or CHECKED_WITHOUT_ENGINE.get(platform, SOURCE_ONLY)
 
 
 def profile_for(version: str | None) -> VllmProfile | None:

@@ -162,6 +162,19 @@ def _native_rotary(rotary: Any) -> bool:
     )
 
 
+def rms_norm(norm: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """vLLM's RMSNorm module ``norm`` over ``hidden [N, hidden]`` -> ``[N, hidden]`` in ``dtype``.
+
+    The RMSNorm computes in fp32 and multiplies by the weight in its dtype, so an fp32 input (the
+    unrounded residual stream) gives the fused op's output in fp32 storage. Off the CPU that
+    input goes through the op's PyTorch path (``forward_native``): vLLM's fused CUDA kernel reads
+    the weight in the input's dtype (vLLM 0.9-0.11 in eager mode), a bf16 weight as fp32 bits.
+    """
+    if hidden.dtype != dtype and hidden.device.type != "cpu":
+        return norm.forward_native(hidden).to(dtype)
+    return norm(hidden).to(dtype)
+
+
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """vLLM's linear layers return ``(output, output_bias)``; plain ``nn.Linear`` a tensor."""
     out = module(x)
@@ -262,9 +275,7 @@ class VLLMModelAdapter(ModelAdapter):
         return hidden
 
     def _norm(self, norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        # vLLM's RMSNorm computes in fp32 and multiplies by the weight in its dtype; an fp32
-        # input gives the fused op's output, in fp32 storage.
-        return norm(hidden).to(self.dtype)
+        return rms_norm(norm, hidden, self.dtype)
 
     def attention_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         return self._norm(self._layers[layer].input_layernorm, self._unrounded(hidden))

@@ -4,6 +4,7 @@ and the vLLM model adapter. Importing this package does not import vLLM."""
 from __future__ import annotations
 
 import importlib.metadata
+from typing import Any
 
 CONNECTOR_MODULE = "lmcache_backend.integration.vllm.connector"
 CONNECTOR_NAME = "CacheBlendConnector"
@@ -39,28 +40,36 @@ def _entry_point_registered() -> bool:
     return any(ep.value == PLUGIN_ENTRY_POINT for ep in group)
 
 
-#: The attention path of the blend on each platform (a later change makes this exact per release).
+#: The attention path of the blend's selected queries on each platform
+#: (:mod:`lmcache_backend.integration.vllm.attention_choice`).
 ATTENTION_PATHS = {
-    "cpu": "vLLM CPU paged attention + tiled kernel",
-    "cuda": "op registry attention (Triton)",
-    "npu": "torch-npu ops",
+    "cpu": "the tiled CPU kernel (or vLLM's CPU paged attention) over the request's blocks; "
+    "selected tokens through vLLM's compiled forward",
+    "cuda": "paged_attention_at_positions (Triton) through the block table; layers streamed "
+    "one at a time",
+    "npu": "torch-npu fused attention over one layer's gathered rows; layers streamed one at "
+    "a time",
 }
 
 
-def _engine_rows(platform: str, engine_here: bool) -> list[tuple[str, str]]:
-    """The gate's decision for this environment on ``platform`` and what the code path uses."""
+def _engine_rows(platform: str, engine_here: bool, versions: Any = None) -> list[tuple[str, str]]:
+    """The gate's decision for ``versions`` (default: the installed ones) on ``platform`` and
+    what the code path uses."""
     from lmcache_backend.compat import matrix_row
     from lmcache_backend.compat.ascend import NPU_KV_CACHE_LAYOUT
     from lmcache_backend.compat.gate import decide, installed_probe
     from lmcache_backend.compat.versions import detect_versions
 
-    versions = detect_versions()
+    what_if = versions is not None
+    versions = versions or detect_versions()
+    # a release that is not installed cannot be probed: only recorded releases have a path
+    probe = None if what_if else installed_probe
     ascend = versions.vllm_ascend if platform == "npu" else None
     row = matrix_row(versions.vllm, None, ascend) if versions.vllm else None
     rows = [("matrix row", row.describe() if row else "none (see docs/vllm.md#versions)")]
-    decision = decide(versions, platform, False, installed_probe)
+    decision = decide(versions, platform, False, probe)
     if not decision.runs and decision.untested:
-        forced = decide(versions, platform, True, installed_probe)
+        forced = decide(versions, platform, True, probe)
         rows.append(("gate", f"refused: {decision.message}"))
         rows.append(("with allow_untested", forced.message))
         decision = forced
@@ -70,7 +79,8 @@ def _engine_rows(platform: str, engine_here: bool) -> list[tuple[str, str]]:
     if profile is None:
         return rows
     span = f"vLLM {profile.first} to {profile.last}"
-    rows.append(("code path", f"{profile.name} (covers {span}; installed {profile.release})"))
+    given = "asked" if what_if else "installed"
+    rows.append(("code path", f"{profile.name} (covers {span}; {given} {profile.release})"))
     when = "in this engine" if engine_here else "no engine running here; an engine will use"
     rows.append(("platform", f"{platform} ({when})"))
     rows.append(("attention path", ATTENTION_PATHS.get(platform, "none")))
@@ -79,6 +89,17 @@ def _engine_rows(platform: str, engine_here: bool) -> list[tuple[str, str]]:
     runners = ", ".join(r.label for r in profile.runners(platform)) or "none"
     rows.append(("model runners", runners))
     return rows
+
+
+def what_if_section(vllm: str, platform: str, vllm_ascend: str | None = None) -> tuple:
+    """``doctor --vllm X --platform P``: what the connector would do with vLLM ``vllm`` (and
+    vllm-ascend ``vllm_ascend``) on ``platform``, whatever is installed here."""
+    from lmcache_backend.compat.versions import Versions
+
+    versions = Versions(vllm=vllm, vllm_ascend=vllm_ascend, lmcache=None, torch=None)
+    rows = [("vLLM", vllm), ("vllm-ascend", vllm_ascend or "none")]
+    rows += _engine_rows(platform, False, versions)
+    return f"vLLM integration, if vLLM {vllm} ran on {platform}", rows
 
 
 def doctor_section() -> tuple[str, list[tuple[str, str]]]:
