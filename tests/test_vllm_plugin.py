@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from lmcache_backend.integration.vllm import PLUGIN_ENTRY_POINT, doctor_section
+from lmcache_backend.integration.vllm import ATTENTION_PATHS, PLUGIN_ENTRY_POINT, doctor_section
 from lmcache_backend.integration.vllm import plugin as plugin_mod
 from lmcache_backend.integration.vllm.model_tracker import ENGINE_NAME, ModelTracker
 
@@ -62,7 +62,7 @@ def test_doctor_section_reports_versions_and_hook() -> None:
     assert values["plugin entry point"] == "registered"
     assert values["code path"].startswith("vLLM 0.29.0-0.33.0 (covers vLLM 0.29.0 to 0.33.0")
     assert values["gate"].startswith("runs: vLLM 0.32.0 on CPU")
-    assert values["attention path"] == "vLLM CPU paged attention + tiled kernel"
+    assert values["attention path"] == ATTENTION_PATHS["cpu"]
     assert values["KV-cache layout"].startswith("CPU_ATTN LBHNC: [num_blocks, num_kv_heads")
 
 
@@ -132,3 +132,20 @@ def test_register_skips_a_runner_this_build_lacks(monkeypatch) -> None:
 
     missing = Runner("vllm", "x.py", "lmcache_backend_no_such_module", "Runner")
     assert plugin_mod.install_hooks([missing]) == []
+
+
+def test_doctor_what_if_shows_another_release() -> None:
+    """``doctor --vllm X``: the gate's decision, code path and layout for a release that is not
+    installed (here: the current CUDA release and an untested one)."""
+    from lmcache_backend.integration.vllm import what_if_section
+
+    title, rows = what_if_section("0.33.0", "cuda")
+    values = dict(rows)
+    assert "0.33.0" in title and values["gate"].startswith("runs: vLLM 0.33.0 on CUDA")
+    assert values["code path"].startswith("vLLM 0.29.0-0.33.0")
+    assert "[num_blocks, num_kv_heads, block_size" in values["KV-cache layout"]
+    assert values["attention path"] == ATTENTION_PATHS["cuda"]
+    _, rows = what_if_section("0.34.0", "cuda")
+    values = dict(rows)
+    assert values["gate"].startswith("refused: vLLM 0.34.0 is untested")
+    assert "untested" in values["with allow_untested"]
