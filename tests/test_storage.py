@@ -395,6 +395,15 @@ def test_create_store_builds_configured_tiers(tmp_path):
         load_config(env={}, local_disk=str(tmp_path)), index_dir=str(tmp_path / "i2")
     )
     assert [t.name for t in only_cpu.tiers] == ["cpu"]  # disk size 0: disk tier off
+    assert not store.tiers[0].pin_memory
+
+
+def test_cpu_tier_is_page_locked_for_a_cuda_model(tmp_path):
+    """For a model on a CUDA device the CPU tier keeps its entries page-locked, so the blend's
+    per-layer copies to the GPU can run asynchronously (nothing is allocated here)."""
+    config = load_config(env={}, extra_config={"segment_index_dir": str(tmp_path / "i")})
+    store = create_store(config, device=torch.device("cuda", 0), fingerprint=FP)
+    assert [t.name for t in store.tiers] == ["cpu"] and store.tiers[0].pin_memory
 
 
 def test_disk_tier_refuses_segment_of_another_layout(tmp_path, caplog):

@@ -143,7 +143,11 @@ def create_store(
     if device is not None and torch.device(device).type != "cpu" and device_gb > 0:
         tiers.append(MemoryTier(device, int(device_gb * GB), "device", copy_on_get))
     if config.local_cpu:
-        tiers.append(MemoryTier("cpu", int(config.max_local_cpu_size * GB), "cpu", copy_on_get))
+        # page-locked on a CUDA host: the blend's copies of each layer to the GPU run
+        # asynchronously, overlapping the previous layer's compute (blend/cached_kv.py)
+        pinned = device is not None and torch.device(device).type == "cuda"
+        capacity = int(config.max_local_cpu_size * GB)
+        tiers.append(MemoryTier("cpu", capacity, "cpu", copy_on_get, pin_memory=pinned))
     folder = _disk_folder(config)
     if folder is not None and shard:
         folder = os.path.join(folder, shard)
