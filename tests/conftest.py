@@ -1,7 +1,10 @@
 """Shared test helpers.
 
-Without a GPU, Triton kernels run on CPU tensors through Triton's interpreter; the variable must be
-set before ``triton`` is first imported, so it is set here, at collection start.
+:data:`DEVICE` is where the tests put their tensors and tiny models: the GPU when one is visible,
+so the Triton kernels are compiled and run there; otherwise the CPU, where the same kernels run
+through Triton's interpreter. The interpreter's variable must be set before ``triton`` is first
+imported, so it is set here, at collection start (and only without a GPU, so a GPU run tests the
+compiled kernels).
 """
 
 from __future__ import annotations
@@ -10,7 +13,11 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
+#: the one place that decides the tests' device: ``"cuda"`` or ``"cpu"`` (compare with
+#: ``tensor.device.type``)
+DEVICE: str = "cuda" if torch.cuda.is_available() else "cpu"
+
+if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -40,6 +47,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 def nan_like(t: torch.Tensor) -> torch.Tensor:
     """A tensor shaped like ``t`` filled with NaN, so rows an op forgot to write show up."""
     return torch.full_like(t, float("nan"))
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """:data:`DEVICE` as a ``torch.device``, for tests that take it as a fixture."""
+    return torch.device(DEVICE)
 
 
 @pytest.fixture

@@ -96,7 +96,8 @@ def _setup(
     selection_span=1,
 ):
     adapter = HFModelAdapter(model)
-    store = MemoryTier("cpu", 1 << 30, "cpu")
+    # the store beside the model: on the GPU for a test that puts the model there
+    store = MemoryTier(adapter.device, 1 << 30, adapter.device.type)
     config = load_config(
         env={},
         enable_blending=True,

@@ -1,11 +1,15 @@
-"""The connector's whole worker path on every recorded CUDA and Ascend cache form, on CPU
-tensors shaped exactly as the released engines hand them over: ``register_kv_caches``, the
-layout chosen from the cache, a prompt's segments saved from the paged cache, a reordered
-prompt's lookup, load, re-rotation, selection, the selected queries' attention through the
-block table (Triton kernels under ``TRITON_INTERPRET=1``; the Ascend ops on their emulation)
-and the write-back, streamed one layer at a time. The blended rows, read back the way the
-engine's attention backend reads them, equal the CPU path's (the layer-by-layer blend with the
-torch reference ops) within the dtype's tolerance.
+"""The connector's whole worker path on every recorded CUDA and Ascend cache form, on tensors
+shaped exactly as the released engines hand them over: ``register_kv_caches``, the layout chosen
+from the cache, a prompt's segments saved from the paged cache, a reordered prompt's lookup,
+load, re-rotation, selection, the selected queries' attention through the block table and the
+write-back, streamed one layer at a time. The blended rows, read back the way the engine's
+attention backend reads them, equal the CPU path's (the layer-by-layer blend with the torch
+reference ops) within the dtype's tolerance.
+
+The CUDA forms run the Triton kernels with the caches, the model and the comparison on
+:data:`conftest.DEVICE` (compiled on the GPU when one is visible, else CPU tensors under
+``TRITON_INTERPRET=1``). The Ascend forms stay on CPU tensors, with their torch_npu operators
+emulated there.
 
 Each distinct form is run once, on the newest release that hands it over; the layout contract
 tests (``test_vllm_layouts_contract.py``) cover every release of every form.
@@ -13,13 +17,14 @@ tests (``test_vllm_layouts_contract.py``) cover every release of every form.
 
 from __future__ import annotations
 
+from copy import deepcopy
 from dataclasses import replace
 from types import SimpleNamespace
 
 import npu_emulation
 import pytest
 import torch
-from conftest import relative_error
+from conftest import DEVICE, relative_error
 from engine_cache_forms import (
     Geometry,
     Recorded,
@@ -30,6 +35,7 @@ from engine_cache_forms import (
     recorded_tensors,
 )
 
+from lmcache_backend import ops as ops_registry
 from lmcache_backend.blend import LMCBlender
 from lmcache_backend.config import load_config
 from lmcache_backend.integration.hf.engine import hf_full_prefill
@@ -90,8 +96,16 @@ def _model(size: str) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def model(request):
+def model(request) -> tuple[str, torch.nn.Module]:
+    """A model size and its model on the CPU (the Ascend forms' emulation runs there)."""
     return request.param, _model(request.param)
+
+
+@pytest.fixture(scope="module")
+def device_model(model) -> tuple[str, torch.nn.Module]:
+    """The same model on :data:`DEVICE`, for the CUDA forms (the very one on a CPU-only run)."""
+    size, hf = model
+    return size, hf if DEVICE == "cpu" else deepcopy(hf).to(DEVICE)
 
 
 def _distinct_forms() -> list[Recorded]:
@@ -187,17 +201,24 @@ def _check(read_layer, model, asked, worker, dtype) -> None:
 
 
 @pytest.mark.parametrize("form", CUDA_FORMS, ids=lambda r: r.id)
-def test_cuda_forms_blend_like_the_cpu_path(form, model, monkeypatch) -> None:
-    size, hf = model
+def test_cuda_forms_blend_like_the_cpu_path(form, device_model, monkeypatch) -> None:
+    size, hf = device_model
     m = MODELS[size]
     geometry = Geometry(m["dtype"], m["kv_heads"], m["head_dim"], num_blocks=24, block_size=BLOCK)
     caches = {
-        f"model.layers.{i}.self_attn.attn": build_cache(form.tensor, geometry) for i in (0, 1)
+        f"model.layers.{i}.self_attn.attn": build_cache(form.tensor, geometry, DEVICE)
+        for i in (0, 1)
     }
     worker = _worker(caches, form.name, get_ops("cuda"), monkeypatch)
-    worker.build(HFModelAdapter(hf))
+    adapter = HFModelAdapter(hf)
+    assert adapter.device.type == DEVICE
+    worker.build(adapter)
     assert worker.loads.target.kernels.device
+    ops_registry._declined_logged.clear()
     asked, blocks = _blend_through_worker(worker, hf)
+    # every call the kernels got ran one: a tensor left on the CPU beside a GPU would be declined
+    # and answered by the reference
+    assert [entry for entry in ops_registry._declined_logged if entry[0] == "cuda"] == []
 
     def read_layer(layer: int, end: int):
         positions = list(range(end))

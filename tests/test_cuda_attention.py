@@ -1,4 +1,4 @@
-"""Triton selected-query attention against the torch reference (interpreter without a GPU).
+"""Triton selected-query attention against the torch reference (on the GPU, or the interpreter).
 
 The reference builds the exact ``key <= position`` mask and runs SDPA in fp32; the kernel must
 agree within the storage dtype's tolerance. Key counts stay small because the interpreter runs
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close, nan_like
+from conftest import DEVICE, assert_close, nan_like
 
 from lmcache_backend.backends.cuda.attention import attention_at_positions
 from lmcache_backend.ops import get_ops
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (query heads, KV heads): GQA ratios 1, 3 and 8.
 HEADS = [
@@ -51,6 +50,7 @@ def attend_both(q, k, v, positions, scale):
     result = cuda.attention_at_positions(*args)
     expected = get_ops("torch").attention_at_positions(*args)
     assert result.shape == expected.shape and result.dtype == q.dtype
+    assert result.device.type == DEVICE
     return result, expected
 
 

@@ -1,4 +1,9 @@
-"""Loading the CUDA backend, its availability rule, and calls its verifiers decline."""
+"""Loading the CUDA backend, its availability rule, and calls its verifiers decline.
+
+The declined calls use tensors on :data:`conftest.DEVICE`, so each is declined for the reason it
+names (not for sitting on the CPU beside a GPU) and its fallback runs on the GPU when one is
+visible.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,10 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import assert_close
+from conftest import DEVICE, assert_close
 
 from lmcache_backend.backends import cuda as cuda_backend
+from lmcache_backend.backends.cuda._common import interpret_mode
 from lmcache_backend.ops import OP_NAMES, get_ops
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +49,7 @@ def test_every_op_is_served_by_the_kernels():
 
 
 def test_without_cuda_or_interpreter_get_ops_raises_with_the_reason():
+    # CUDA_VISIBLE_DEVICES="" hides a GPU from the child, so this holds on a GPU machine too
     code = (
         "from lmcache_backend.ops import BackendUnavailable, get_ops\n"
         "try:\n"
@@ -74,6 +81,12 @@ def test_unavailable_reason_is_none_here():
     assert cuda_backend.unavailable_reason() is None
 
 
+def test_kernels_are_compiled_on_a_gpu_and_interpreted_on_the_cpu(device: torch.device) -> None:
+    """A run on a GPU must check the compiled kernels, not the interpreter (an inherited
+    ``TRITON_INTERPRET=1`` would run them in numpy); without a GPU the interpreter runs them."""
+    assert interpret_mode() is (device.type == "cpu")
+
+
 def declined(op: str, *args) -> str:
     get_ops("cuda")
     reason = get_ops("cuda").verifiers[op](*args)
@@ -86,10 +99,10 @@ def test_declined_dtype_still_gives_the_reference_answer():
     gen = torch.Generator().manual_seed(0)
     half = 32
     angles = torch.arange(256, dtype=torch.float64)[:, None] * torch.rand(half, generator=gen)
-    table = torch.cat([angles.cos(), angles.sin()], dim=-1).float()
-    k = torch.randn(7, 2, 64, generator=gen, dtype=torch.float64)
-    old = torch.randint(0, 256, (7,), generator=gen)
-    new = torch.randint(0, 256, (7,), generator=gen)
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1).float().to(DEVICE)
+    k = torch.randn(7, 2, 64, generator=gen, dtype=torch.float64).to(DEVICE)
+    old = torch.randint(0, 256, (7,), generator=gen).to(DEVICE)
+    new = torch.randint(0, 256, (7,), generator=gen).to(DEVICE)
     assert "float64" in declined("rope_rerotate_k", k, old, new, table, True)
     expected = get_ops("torch").rope_rerotate_k(k.clone(), old, new, table, True)
     get_ops("cuda").rope_rerotate_k(k, old, new, table, True)
@@ -98,10 +111,10 @@ def test_declined_dtype_still_gives_the_reference_answer():
 
 def test_declined_head_dim_still_gives_the_reference_answer():
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(5, 4, 24, generator=gen)
-    k = torch.randn(40, 2, 24, generator=gen)
-    v = torch.randn(40, 2, 24, generator=gen)
-    positions = torch.tensor([0, 3, 17, 30, 39])
+    q = torch.randn(5, 4, 24, generator=gen).to(DEVICE)
+    k = torch.randn(40, 2, 24, generator=gen).to(DEVICE)
+    v = torch.randn(40, 2, 24, generator=gen).to(DEVICE)
+    positions = torch.tensor([0, 3, 17, 30, 39], device=DEVICE)
     assert "power" in declined("attention_at_positions", q, k, v, positions, 0.2)
     result = get_ops("cuda").attention_at_positions(q, k, v, positions, 0.2)
     expected = get_ops("torch").attention_at_positions(q, k, v, positions, 0.2)
@@ -110,14 +123,14 @@ def test_declined_head_dim_still_gives_the_reference_answer():
 
 def test_declined_layout_still_gives_the_reference_answer():
     """A transposed tensor has no contiguous rows to gather in place."""
-    x = torch.randn(64, 63).t()
-    idx = torch.tensor([62, 0, 5])
+    x = torch.randn(64, 63).to(DEVICE).t()
+    idx = torch.tensor([62, 0, 5], device=DEVICE)
     assert "contiguous" in declined("gather_rows", x, idx)
     assert torch.equal(get_ops("cuda").gather_rows(x, idx), x[idx])
 
 
 def test_declined_quantized_cache():
-    key = torch.randn(4, 2, 16)
-    cache = torch.zeros(2, 16, 2, 16, dtype=torch.float8_e4m3fn)
-    slots = torch.arange(4)
+    key = torch.randn(4, 2, 16).to(DEVICE)
+    cache = torch.zeros(2, 16, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
     assert "quantized" in declined("paged_kv_write", key, key, cache, cache.clone(), slots)

@@ -1,4 +1,4 @@
-"""Triton K-deviation + top-k selection against the torch reference (interpreter without a GPU).
+"""Triton K-deviation + top-k selection against the torch reference (GPU, or interpreter).
 
 Selection compares float scores, so two summation orders could swap near-equal tokens at the
 cut. The selection tests therefore use small integer-valued keys: every deviation is an exact
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import DEVICE, assert_close
 
 from lmcache_backend.backends.cuda.deviation import masked_token_deviation
 from lmcache_backend.ops import get_ops
 from lmcache_backend.ops.reference import token_deviation
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -40,7 +39,7 @@ def select_both(k_fresh, k_cached, valid, ratio, num_reusable=None) -> torch.Ten
     assert get_ops("cuda").verifiers["kv_deviation_topk"](*args) is None
     result = cuda.kv_deviation_topk(*args)
     expected = get_ops("torch").kv_deviation_topk(*args)
-    assert result.dtype == torch.int64
+    assert result.dtype == torch.int64 and result.device.type == DEVICE
     assert torch.equal(result, expected), f"{result.tolist()} != {expected.tolist()}"
     return result
 

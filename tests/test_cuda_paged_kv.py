@@ -1,4 +1,4 @@
-"""Triton paged KV write/read against the torch reference (interpreter without a GPU).
+"""Triton paged KV write/read against the torch reference (on the GPU, or the interpreter).
 
 Caches start filled with NaN: after a write, exactly the mapped slots hold values and every other
 slot is still NaN, so a stray or missing write shows.
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close, nan_like
+from conftest import DEVICE, assert_close, nan_like
 
 from lmcache_backend.backends.cuda.paged_kv import paged_kv_read
 from lmcache_backend.ops import get_ops
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BLOCK_SIZE = 16
 
@@ -79,6 +78,7 @@ def test_read_matches_reference(num_tokens, dtype):
     key, value = get_ops("cuda").paged_kv_read(key_cache, value_cache, slots)
     ref_key, ref_value = get_ops("torch").paged_kv_read(key_cache, value_cache, slots)
     assert key.dtype == dtype and key.shape == (num_tokens, 2, 64)
+    assert key.device.type == DEVICE
     assert torch.equal(key, ref_key) and torch.equal(value, ref_value)
 
 
@@ -139,9 +139,11 @@ def test_write_casts_to_the_cache_dtype():
 
 
 def test_all_padding_writes_nothing():
-    key = torch.randn(63, 2, 64)
+    key = torch.randn(63, 2, 64).to(DEVICE)
     key_cache, value_cache = nan_caches(6, 2, 64, torch.float32)
     slots = torch.full((63,), -1, dtype=torch.int64, device=DEVICE)
+    # served by the kernel: a CPU key beside a GPU cache would go to the reference unnoticed
+    check_served("paged_kv_write", key, key, key_cache, value_cache, slots)
     get_ops("cuda").paged_kv_write(key, key, key_cache, value_cache, slots)
     assert torch.isnan(key_cache).all() and torch.isnan(value_cache).all()
 

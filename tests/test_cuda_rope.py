@@ -1,17 +1,17 @@
 """Triton RoPE re-rotation against the torch reference.
 
-Without a GPU the kernels run in Triton's interpreter on CPU tensors (``tests/conftest.py``).
+On the GPU when one is visible; without one the kernels run in Triton's interpreter on CPU
+tensors (``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import DEVICE, assert_close
 
 from lmcache_backend.ops import get_ops
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 STYLES = [pytest.param(True, id="neox"), pytest.param(False, id="gptj")]
 

@@ -1,4 +1,4 @@
-"""Triton row gather / scatter against the torch reference (interpreter without a GPU).
+"""Triton row gather / scatter against the torch reference (on the GPU, or the interpreter).
 
 A copy changes no value, so results must equal the reference exactly.
 """
@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import nan_like
+from conftest import DEVICE, nan_like
 
 from lmcache_backend.backends.cuda.rows import gather_rows
 from lmcache_backend.ops import get_ops
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SELECTIONS = ["empty", "one", "subset", "all-shuffled"]
 
@@ -46,6 +45,7 @@ def test_gather_matches_reference(num_tokens, dtype, selection):
     result = get_ops("cuda").gather_rows(x, idx)
     expected = get_ops("torch").gather_rows(x, idx)
     assert result.shape == expected.shape and result.dtype == dtype
+    assert result.device.type == DEVICE
     assert torch.equal(result, expected)
 
 

@@ -2,13 +2,14 @@
 FLASHINFER, TRITON_ATTN, each recorded layout) or vllm-ascend release hands a connector, the
 layout :func:`layout_for` picks writes K/V rows exactly where that backend reads them.
 
-The caches are CPU tensors shaped and strided as recorded from the released packages
+The caches are tensors shaped and strided as recorded from the released packages
 (``tests/fixtures/engine_contracts``, see ``engine_cache_forms.py``), NaN-filled. Rows are written
 through the layout, then read back with the fixture's own ``kv_read`` code and through the
-layout; every element not written must still be NaN. Writes go through the torch reference and
-the Triton kernels (interpreter on CPU); vllm-ascend pairs also through the Ascend backend with
-its torch_npu operators emulated. This shows the layouts agree with the recorded forms; it is not
-a run on a GPU or an NPU.
+layout; every element not written must still be NaN. Writes go through the torch reference (CPU
+tensors) and the Triton kernels (on :data:`conftest.DEVICE`: compiled on the GPU when one is
+visible, else the interpreter on CPU tensors); vllm-ascend pairs also through the Ascend backend
+with its torch_npu operators emulated on CPU tensors. This shows the layouts agree with the
+recorded forms; only the Triton case is a run on a GPU, and none is a run on an NPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 import npu_emulation
 import pytest
 import torch
+from conftest import DEVICE
 from engine_cache_forms import (
     GEOMETRIES,
     Geometry,
@@ -53,7 +55,7 @@ ReadFn = Callable[[torch.Tensor, list[int], list[int]], tuple[torch.Tensor, torc
 def _ops(name: str):
     if name == "torch":
         return get_ops("torch")
-    # Triton: compiled on a GPU (the caches are put there), the interpreter on CPU (conftest)
+    # Triton: compiled on a GPU (the caches are put on DEVICE), the interpreter on CPU (conftest)
     ops = get_ops("cuda")
     verify_write, verify_read = (ops.verifiers[op] for op in ("paged_kv_write", "paged_kv_read"))
 
@@ -153,8 +155,8 @@ def _layout(cache, geometry: Geometry, ops, backend: str | None, block_size: int
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
 @pytest.mark.parametrize("recorded", RECORDED, ids=[r.id for r in RECORDED])
 def test_vllm_form(recorded: Recorded, geometry: Geometry, ops_name: str) -> None:
-    on_gpu = ops_name == "cuda" and torch.cuda.is_available()
-    cache = build_cache(recorded.tensor, geometry, "cuda" if on_gpu else "cpu")
+    # the kernels on DEVICE; the torch reference is checked on the CPU, as in every other test here
+    cache = build_cache(recorded.tensor, geometry, DEVICE if ops_name == "cuda" else "cpu")
     layout = _layout(cache, geometry, _ops(ops_name), recorded.name)
     assert contract_problems(layout, cache, geometry, _recorded_read(recorded, geometry)) == []
 
