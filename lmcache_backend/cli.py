@@ -52,6 +52,12 @@ def _verify(args: argparse.Namespace) -> int:
     return verify.main(args)
 
 
+def _hardware_check(args: argparse.Namespace) -> int:
+    from lmcache_backend.hardware import command
+
+    return command.main(args)
+
+
 def _apply_patch(args: argparse.Namespace) -> int:
     from lmcache_backend.patches import apply_patch
 
@@ -102,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check that blending is exact on a model (pass/fail)")
     verify.add_arguments(p)
     p.set_defaults(func=_verify)
+
+    from lmcache_backend.hardware import command as hardware_check
+
+    p = sub.add_parser(
+        "hardware-check",
+        help="on a CUDA GPU or Ascend NPU: device tests, kernel timings, verify per attention "
+        "backend, an 8B config at 8k/32k tokens; appends a table to docs/hardware.md",
+    )
+    hardware_check.add_arguments(p)
+    p.set_defaults(func=_hardware_check)
 
     p = sub.add_parser(
         "apply-patch", help="patch vllm-ascend's worker (see docs/patching.md)", add_help=False
