@@ -98,7 +98,7 @@ gpu-check: $(GPU_STAMP)
 npu-check: $(NPU_STAMP)
 	$(NPU_PY) -m lmcache_backend hardware-check --device npu --out $(HARDWARE_OUT)
 
-# The check's plumbing without a device (what tests/test_hardware_check.py runs), ~30 s.
+# The check's plumbing without a device (what tests/commands/test_hardware_check.py runs), ~30 s.
 hardware-dry-run: $(STAMP)
 	$(PY) -m lmcache_backend hardware-check --device cuda --dry-run
 

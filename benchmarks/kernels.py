@@ -334,7 +334,7 @@ def unavailable_reason() -> str | None:
             "benchmarks/kernels.py measures the Triton kernels on a CUDA GPU, and none is visible "
             "here (torch.cuda.is_available() is False). Run it on a machine with an NVIDIA GPU; "
             "for correctness without one, run the interpreter tests: "
-            "TRITON_INTERPRET=1 pytest tests/test_cuda_*.py"
+            "TRITON_INTERPRET=1 pytest tests/backends/cuda/test_cuda_*.py"
         )
     try:
         import triton  # noqa: F401

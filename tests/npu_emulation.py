@@ -3,8 +3,8 @@
 Plain torch on CPU, written from each operator's documented contract (argument names, layouts,
 dtypes, mask convention, documented limits), so the Ascend backend's use of those operators can be
 checked without an NPU. Agreement with this module shows the backend calls the operators as
-documented; it does not show the operators behave as documented: ``tests/test_ascend_npu.py``
-checks that on a device.
+documented; it does not show the operators behave as documented:
+``tests/backends/ascend/test_ascend_npu.py`` checks that on a device.
 
 Where a documented limit is violated the emulation raises instead of computing, so a backend call
 that the real operator would reject fails here too. ``CALLS`` counts calls per operator, so tests

@@ -1,7 +1,7 @@
 """The vLLM symbols every code path of the integration uses, whatever the release.
 
 :meth:`lmcache_backend.compat.profile.VllmProfile.required_symbols` adds the release-specific ones
-to this list. Each is checked against every recorded release (``tests/test_vllm_compat.py``) and,
+to this list. Each is checked against every recorded release (``tests/compat/test_vllm_compat.py``) and,
 for a release with no record, against its installed source (:mod:`lmcache_backend.compat.probe`).
 """
 

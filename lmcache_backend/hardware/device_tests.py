@@ -21,17 +21,17 @@ from lmcache_backend.hardware.table import DRY, FAIL, PASS, Row
 STEP = "device tests"
 
 #: The connector and layout tests, which run on either device.
-_CONNECTOR = ("tests/test_connector_device_path.py", "tests/test_vllm_layouts_contract.py")
+_CONNECTOR = ("tests/integration/vllm/test_connector_device_path.py", "tests/integration/vllm/test_vllm_layouts_contract.py")
 
 #: Paths (globs relative to the checkout) per device.
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "cuda": (
-        "tests/test_cuda_*.py",
-        "tests/test_blender_backends.py",
+        "tests/backends/cuda/test_cuda_*.py",
+        "tests/backends/test_blender_backends.py",
         *_CONNECTOR,
-        "tests/test_blend_streaming.py",
+        "tests/blend/test_blend_streaming.py",
     ),
-    "npu": ("tests/test_ascend_npu.py", *_CONNECTOR),
+    "npu": ("tests/backends/ascend/test_ascend_npu.py", *_CONNECTOR),
 }
 
 

@@ -1,0 +1,119 @@
+"""Every architecture the vLLM adapter claims, through vLLM's CPU build with the connector.
+
+Tiny random-weight Qwen3, Qwen2, Mistral, Llama-3.1-style (``llama3`` RoPE scaling) and YaRN-scaled
+Qwen3 models (``tests/tiny_models.py``) are served in turn by one child process, in fp32, through
+``lmcache_backend.commands.verify.verify_vllm``: ratio 1.0 must reproduce the same engine's greedy
+tokens with the request opted out, the reordered chunks must be claimed (stats file), and
+re-rotated keys must equal keys computed at the new positions. The Mistral engine also runs the
+connector's ``verify_on_start`` check. Then the YaRN model is started with a re-rotation
+that forgets to normalize YaRN's attention factor out of the table: the engine must refuse to
+start. The engines run in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to keep this short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from repo_paths import TESTS
+from tiny_models import SPECS  # noqa: E402
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    sys.path.insert(0, sys.argv[2])
+    from tiny_models import SPECS, build_tiny_model
+    from lmcache_backend.blend.exactness import checks_passed, format_checks
+    from lmcache_backend.commands.verify import verify_vllm
+
+    def emit(**kw):
+        print("RESULT " + json.dumps(kw), flush=True)
+
+    if __name__ == "__main__":
+        root = sys.argv[1]
+        uni = {"distributed_executor_backend": "uni"}
+        for name in SPECS:
+            started = time.time()
+            path = str(build_tiny_model(name, f"{root}/{name}"))
+            # one of them also runs the connector's start-up verification
+            extra = {"verify_on_start": True} if name == "mistral" else None
+            checks, details = verify_vllm(
+                path, "float32", count=2, max_tokens=8, llm_kwargs=uni, extra_config=extra
+            )
+            print(format_checks(name, checks), flush=True)
+            emit(name=name, passed=checks_passed(checks), seconds=time.time() - started,
+                 checks=[c.__dict__ for c in checks], prompts=details["prompts"])
+        # A re-rotation that keeps YaRN's attention factor in its table scales keys by mscale**2.
+        import lmcache_backend.models.vllm as adapter
+        adapter.pure_rotation_table = lambda table: table.float()
+        try:
+            verify_vllm(f"{root}/qwen3_yarn", "float32", count=1, max_tokens=2, llm_kwargs=uni)
+            emit(name="broken", refused=False, error="")
+        except Exception as exc:
+            chain, e = [], exc
+            while e is not None:
+                chain.append(f"{type(e).__name__}: {e}")
+                e = e.__cause__ or e.__context__
+            emit(name="broken", refused=True, error=" | ".join(chain))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("models")
+    (tmp / "run.py").write_text(SCRIPT)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    here = str(TESTS)  # the child process imports tiny_models from there
+    proc = subprocess.run(
+        [sys.executable, str(tmp / "run.py"), str(tmp), here],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            row = json.loads(line[len("RESULT ") :])
+            out[row["name"]] = row
+    assert proc.returncode == 0 and "broken" in out, (proc.stdout[-3000:], proc.stderr[-3000:])
+    out["log"] = proc.stdout + proc.stderr
+    return out
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_architecture_blends_exactly(results, name) -> None:
+    row = results[name]
+    failed = [c for c in row["checks"] if c["passed"] is False]
+    assert row["passed"] and not failed, failed
+    names = {c["name"]: c for c in row["checks"]}
+    assert names["re-rotation error"]["passed"]
+    assert names["ratio 1.0: greedy answers equal to full prefill"]["value"] == "2/2"
+    for p in row["prompts"]:
+        assert p["1"] == p["reference"], "ratio 1.0 must give the opted-out request's tokens"
+    assert names["default: chunks reused"]["passed"], "the reordered chunks must be claimed"
+
+
+def test_wrong_rerotation_is_refused_at_start(results) -> None:
+    row = results["broken"]
+    assert row["refused"], row
+    assert "re-rotated" in row["error"] and "without the CacheBlend connector" in row["error"]
+
+
+def test_connector_verifies_on_start_when_asked(results) -> None:
+    log = results["log"]
+    assert log.count("CacheBlend start-up verification: passed") == 1, log[-3000:]
+    assert "re-rotation error" in log

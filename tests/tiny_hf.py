@@ -1,0 +1,107 @@
+"""Tiny random-weight HF models (Llama, Mistral, Qwen2, Qwen3; fp32) and RAG-shaped prompts of
+random token ids, ``sys + SEP + c1 + SEP + c2 + SEP + c3 + SEP + question``, with a blender over
+an in-memory store: what the blend tests build on."""
+
+from __future__ import annotations
+
+import torch
+
+from lmcache_backend.blend import LMCBlender, SegmentCache
+from lmcache_backend.config import load_config
+from lmcache_backend.integration.hf.engine import hf_full_prefill
+from lmcache_backend.models.hf import HFModelAdapter
+from lmcache_backend.ops import get_ops
+from lmcache_backend.storage import MemoryTier
+
+SEP = [5, 6]
+VOCAB = 256
+
+
+def tiny_model(kind: str) -> torch.nn.Module:
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    config = {
+        "llama": lambda: LlamaConfig(**common, rope_theta=10000.0),
+        "mistral": lambda: MistralConfig(**common, sliding_window=None),
+        "qwen2": lambda: Qwen2Config(**common),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=16),
+    }[kind]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # random init leaves the q/k norms at 1: perturb them so Qwen3's norm path is exercised
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data += 0.1 * torch.randn_like(param)
+    return model.eval()
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, VOCAB, (n,), generator=g).tolist()
+
+
+SYS, C1, C2, C3 = rand_ids(12, 1), rand_ids(40, 2), rand_ids(33, 3), rand_ids(51, 4)
+Q1, Q2 = rand_ids(9, 5), rand_ids(7, 6)
+
+
+def rag_prompt(*parts: list[int]) -> list[int]:
+    out: list[int] = []
+    for part in parts[:-1]:
+        out += part + SEP
+    return out + parts[-1]
+
+
+def collect_steps(steps) -> tuple[list, object]:
+    """Every item a step generator yields, and its return value."""
+    items = []
+    while True:
+        try:
+            items.append(next(steps))
+        except StopIteration as done:
+            return items, done.value
+
+
+def setup_blender(
+    model,
+    ratios=(0.15,),
+    check_layers=(1,),
+    min_tokens=0,
+    selection="kv_deviation",
+    position_discount=10.0,
+    selection_span=1,
+):
+    adapter = HFModelAdapter(model)
+    # the store beside the model: on the GPU for a test that puts the model there
+    store = MemoryTier(adapter.device, 1 << 30, adapter.device.type)
+    config = load_config(
+        env={},
+        enable_blending=True,
+        blend_min_tokens=min_tokens,
+        blend_recompute_ratios=list(ratios),
+        blend_check_layers=list(check_layers),
+        blend_selection=selection,
+        blend_position_discount=position_discount,
+        blend_selection_span=selection_span,
+    )
+    blender = LMCBlender(store, None, config, adapter, SEP, get_ops("torch"))
+    return blender, SegmentCache(store, adapter.fingerprint, SEP)
+
+
+def warm_store(model, cache: SegmentCache, tokens: list[int]) -> None:
+    pre = hf_full_prefill(model, tokens)
+    assert cache.store_segments(tokens, pre.keys, pre.values) > 0
