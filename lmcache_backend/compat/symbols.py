@@ -1,8 +1,9 @@
 """The vLLM symbols every code path of the integration uses, whatever the release.
 
 :meth:`lmcache_backend.compat.profile.VllmProfile.required_symbols` adds the release-specific ones
-to this list. Each is checked against every recorded release (``tests/compat/test_vllm_compat.py``) and,
-for a release with no record, against its installed source (:mod:`lmcache_backend.compat.probe`).
+to this list. Each is checked against every recorded release
+(``tests/compat/test_vllm_compat.py``) and, for a release with no record, against its installed
+source (:mod:`lmcache_backend.compat.probe`).
 """
 
 from __future__ import annotations

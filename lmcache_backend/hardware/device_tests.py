@@ -21,7 +21,10 @@ from lmcache_backend.hardware.table import DRY, FAIL, PASS, Row
 STEP = "device tests"
 
 #: The connector and layout tests, which run on either device.
-_CONNECTOR = ("tests/integration/vllm/test_connector_device_path.py", "tests/integration/vllm/test_vllm_layouts_contract.py")
+_CONNECTOR = (
+    "tests/integration/vllm/test_connector_device_path.py",
+    "tests/integration/vllm/test_vllm_layouts_contract.py",
+)
 
 #: Paths (globs relative to the checkout) per device.
 SELECTIONS: dict[str, tuple[str, ...]] = {
