@@ -9,6 +9,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lmcache_backend.config import ConfigError
 
@@ -277,3 +278,22 @@ def test_worker_cancel_drops_the_blend_before_it_advances() -> None:
     assert len(log) == 2 and not worker.sliced and not worker.finished
     assert worker.take_finished() == {"a"}  # vLLM frees the blocks only then
     assert worker.take_finished() is None
+
+
+def test_a_step_before_the_model_is_built_advances_nothing() -> None:
+    """On releases that create the connector before loading the model (vLLM 0.9.2-0.11), the
+    first steps reach ``start_load_kv`` with no load planned and no model yet: advancing the
+    (absent) sliced blends and asking for finished loads must not touch the model."""
+    from lmcache_backend.integration.vllm.worker import WorkerSide
+
+    worker = WorkerSide(
+        SimpleNamespace(config=SimpleNamespace(backend="torch"), tp_size=1),
+        SimpleNamespace(cache_config=SimpleNamespace(block_size=16)),
+        SimpleNamespace(kv_transfer_after_model_load=False),
+    )
+    worker.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(1)})
+    assert worker.model is None
+    worker.advance()
+    worker.cancel("never-started")
+    worker.finish_step()
+    assert worker.take_finished_loads() is None and worker.model is None
