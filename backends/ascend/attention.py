@@ -12,6 +12,7 @@ import torch
 
 from lmcache_backend.backends.ascend._npu import npu, on_npu_reason
 from lmcache_backend.ops import register
+from lmcache_backend.ops.reference import attention_over_gathered_rows
 
 # Queries per call: the [block, Nk] mask of one block stays small (1024 x 32k = 32 MB of bool).
 _QUERY_BLOCK = 1024
@@ -156,17 +157,14 @@ def paged_attention_at_positions(
 ) -> torch.Tensor:
     """``attention_at_positions`` over the request's rows of a paged cache (``[num_blocks,
     block_size, Hkv, D]`` each): the rows ``0..max(q_positions)`` are gathered through the block
-    table (one layer's rows, freed after the call), then attended with the fused operator."""
+    table with this backend's ``paged_kv_read`` (one layer's rows, freed after the call), then
+    attended with the fused operator."""
     from lmcache_backend.backends.ascend.paged_kv import paged_kv_read
 
-    if q.shape[0] == 0:
-        return torch.empty(0, *q.shape[1:], dtype=q.dtype, device=q.device)
-    block_size = key_cache.shape[1]
-    positions = torch.arange(int(q_positions.max()) + 1, device=key_cache.device)
-    table = block_table.to(device=key_cache.device, dtype=torch.int64)
-    slots = table[positions // block_size] * block_size + positions % block_size
-    keys, values = paged_kv_read(key_cache, value_cache, slots)
-    return attention_at_positions(q, keys, values, q_positions, scale)
+    return attention_over_gathered_rows(
+        q, key_cache, value_cache, block_table, q_positions, scale, paged_kv_read,
+        attention_at_positions,
+    )  # fmt: skip
 
 
 def verify_paged_attention_at_positions(

@@ -24,6 +24,77 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _query_rows(
+    q_ptr,
+    pos_ptr,
+    num_q,
+    group,
+    stride_qn,
+    stride_qh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """This program's tile of query rows (grid: query tiles x KV heads): the rows of the query
+    heads sharing one KV head, packed (row ``r`` is query ``r // group``, head
+    ``kv_head * group + r % group``). Returns ``(kv_head, row_mask, q_idx, q_head, pos, q)``."""
+    kv_head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_q * group
+    q_idx = (rows // group).to(tl.int64)
+    q_head = (kv_head * group + rows % group).to(tl.int64)
+    dk = tl.arange(0, HEAD_DIM)
+    # Padding rows take position 0: they see key 0 only, so no row is ever fully masked.
+    pos = tl.load(pos_ptr + q_idx, mask=row_mask, other=0).to(tl.int32)
+    q = tl.load(
+        q_ptr + q_idx[:, None] * stride_qn + q_head[:, None] * stride_qh + dk[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return kv_head, row_mask, q_idx, q_head, pos, q
+
+
+@triton.jit
+def _attend_key_tile(q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr):
+    """One key tile of the online softmax: ``k [D, BLOCK_N]`` and ``v [BLOCK_N, Dv]`` of the
+    key indices ``keys [BLOCK_N]``, for the query rows at ``pos [BLOCK_M]`` (a row sees the keys
+    at or before its position). Returns the running max, sum and accumulator, updated."""
+    if DOT_FP32:
+        qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+    else:
+        qk = tl.dot(q, k.to(q.dtype))
+    visible = keys[None, :] <= pos[:, None]
+    s = tl.where(visible, qk * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        # Probabilities in [0, 1] lose nothing that matters in the 16-bit storage dtype,
+        # and the 16-bit dot runs on tensor cores with fp32 accumulation.
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _store_rows(
+    out_ptr, acc, l_i, q_idx, q_head, row_mask, stride_on, stride_oh, HEAD_DIM_V: tl.constexpr
+):
+    """The tile's normalised output rows, in the output's dtype."""
+    dv = tl.arange(0, HEAD_DIM_V)
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_idx[:, None] * stride_on + q_head[:, None] * stride_oh + dv[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
+
+
+@triton.jit
 def _attention_at_positions_kernel(
     q_ptr,
     k_ptr,
@@ -48,24 +119,11 @@ def _attention_at_positions_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    kv_head = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < num_q * group
-    q_idx = (rows // group).to(tl.int64)
-    q_head = (kv_head * group + rows % group).to(tl.int64)
+    kv_head, row_mask, q_idx, q_head, pos, q = _query_rows(
+        q_ptr, pos_ptr, num_q, group, stride_qn, stride_qh, HEAD_DIM, BLOCK_M, DOT_FP32
+    )
     dk = tl.arange(0, HEAD_DIM)
     dv = tl.arange(0, HEAD_DIM_V)
-
-    # Padding rows take position 0: they see key 0 only, so no row is ever fully masked.
-    pos = tl.load(pos_ptr + q_idx, mask=row_mask, other=0).to(tl.int32)
-    q = tl.load(
-        q_ptr + q_idx[:, None] * stride_qn + q_head[:, None] * stride_qh + dk[None, :],
-        mask=row_mask[:, None],
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
@@ -81,34 +139,12 @@ def _attention_at_positions_kernel(
         k = tl.load(
             k_base + keys64[None, :] * stride_kn + dk[:, None], mask=key_mask[None, :], other=0.0
         )
-        if DOT_FP32:
-            qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-        else:
-            qk = tl.dot(q, k.to(q.dtype))
-        visible = keys[None, :] <= pos[:, None]
-        s = tl.where(visible, qk * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
             v_base + keys64[:, None] * stride_vn + dv[None, :], mask=key_mask[:, None], other=0.0
         )
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            # Probabilities in [0, 1] lose nothing that matters in the 16-bit storage dtype,
-            # and the 16-bit dot runs on tensor cores with fp32 accumulation.
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_key_tile(q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, DOT_FP32)
 
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + q_idx[:, None] * stride_on + q_head[:, None] * stride_oh + dv[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None],
-    )
+    _store_rows(out_ptr, acc, l_i, q_idx, q_head, row_mask, stride_on, stride_oh, HEAD_DIM_V)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

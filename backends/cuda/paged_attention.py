@@ -18,7 +18,14 @@ import triton.language as tl
 from lmcache_backend.ops import register
 
 from ._common import device_of, device_reason, float_dtype_reason, index_reason, interpret_mode
-from .attention import _LOG2E, _launch_config, _pow2_head_dim
+from .attention import (
+    _LOG2E,
+    _attend_key_tile,
+    _launch_config,
+    _pow2_head_dim,
+    _query_rows,
+    _store_rows,
+)
 
 
 @triton.jit
@@ -49,24 +56,11 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    kv_head = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < num_q * group
-    q_idx = (rows // group).to(tl.int64)
-    q_head = (kv_head * group + rows % group).to(tl.int64)
+    kv_head, row_mask, q_idx, q_head, pos, q = _query_rows(
+        q_ptr, pos_ptr, num_q, group, stride_qn, stride_qh, HEAD_DIM, BLOCK_M, DOT_FP32
+    )
     dk = tl.arange(0, HEAD_DIM)
     dv = tl.arange(0, HEAD_DIM_V)
-
-    # Padding rows take position 0: they see key 0 only, so no row is ever fully masked.
-    pos = tl.load(pos_ptr + q_idx, mask=row_mask, other=0).to(tl.int32)
-    q = tl.load(
-        q_ptr + q_idx[:, None] * stride_qn + q_head[:, None] * stride_qh + dk[None, :],
-        mask=row_mask[:, None],
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
@@ -77,35 +71,16 @@ def _paged_attention_kernel(
     for start in range(0, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < key_end
+        # key t is row t % block_size of block block_table[t // block_size]
         block = tl.load(table_ptr + keys // block_size, mask=key_mask, other=0).to(tl.int64)
         offset = (keys % block_size).to(tl.int64)
         k_rows = block * stride_kb + offset * stride_ko
         v_rows = block * stride_vb + offset * stride_vo
         k = tl.load(k_base + k_rows[None, :] + dk[:, None], mask=key_mask[None, :], other=0.0)
-        if DOT_FP32:
-            qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-        else:
-            qk = tl.dot(q, k.to(q.dtype))
-        visible = keys[None, :] <= pos[:, None]
-        s = tl.where(visible, qk * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None], other=0.0)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_key_tile(q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, DOT_FP32)
 
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + q_idx[:, None] * stride_on + q_head[:, None] * stride_oh + dv[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None],
-    )
+    _store_rows(out_ptr, acc, l_i, q_idx, q_head, row_mask, stride_on, stride_oh, HEAD_DIM_V)
 
 
 def paged_attention_at_positions(

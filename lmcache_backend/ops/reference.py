@@ -10,6 +10,7 @@ Shapes: ``T`` tokens, ``H`` heads (``Hq`` query heads, ``Hkv`` key/value heads),
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -277,12 +278,30 @@ def paged_attention_at_positions(
         ``0..p`` (fp32 math). This reference gathers those rows first; the kernels read them
         through the block table.
     """
+    return attention_over_gathered_rows(
+        q, key_cache, value_cache, block_table, q_positions, scale, paged_kv_read,
+        attention_at_positions,
+    )  # fmt: skip
+
+
+def attention_over_gathered_rows(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    read: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    attend: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """``paged_attention_at_positions`` composed of two ops: ``read`` (a ``paged_kv_read``)
+    gathers the request's rows ``0..max(q_positions)`` through the block table (one layer's,
+    freed after the call), ``attend`` (an ``attention_at_positions``) attends over them."""
     if q.shape[0] == 0:
         return torch.empty(0, *q.shape[1:], dtype=q.dtype, device=q.device)
     block_size = key_cache.shape[1]
-    end = int(q_positions.max()) + 1
-    positions = torch.arange(end, device=key_cache.device)
+    positions = torch.arange(int(q_positions.max()) + 1, device=key_cache.device)
     table = block_table.to(device=key_cache.device, dtype=torch.int64)
     slots = table[positions // block_size] * block_size + positions % block_size
-    keys, values = paged_kv_read(key_cache, value_cache, slots)
-    return attention_at_positions(q, keys, values, q_positions, scale)
+    keys, values = read(key_cache, value_cache, slots)
+    return attend(q, keys, values, q_positions, scale)

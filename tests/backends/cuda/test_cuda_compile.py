@@ -28,7 +28,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lmcache_backend.backends.cuda import attention, deviation, paged_kv, rope, rows
+from lmcache_backend.backends.cuda import (attention, deviation, paged_attention, paged_kv,
+                                           rope, rows)
 
 def compile_one(fn, ptrs, consts, arch, floats=(), options=None):
     sig = {}
@@ -85,6 +86,16 @@ for arch in (86, 90):
             floats=("qk_scale_log2",),
             options={"num_warps": warps, "num_stages": stages},
         )
+        results[f"paged-attention-{dtype}-d{head_dim}-sm{arch}"] = compile_one(
+            paged_attention._paged_attention_kernel,
+            {"q_ptr": f"*{dtype}", "kc_ptr": f"*{dtype}", "vc_ptr": f"*{dtype}",
+             "table_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": f"*{dtype}"},
+            {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": block_m,
+             "BLOCK_N": block_n, "DOT_FP32": fp32},
+            arch,
+            floats=("qk_scale_log2",),
+            options={"num_warps": warps, "num_stages": stages},
+        )
 print(json.dumps(results))
 """
 
@@ -106,7 +117,7 @@ def test_kernels_compile_for_sm86_and_sm90(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     shared = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(shared) == 2 * 9
+    assert len(shared) == 2 * 12
     for name, nbytes in shared.items():
         arch = int(name.rsplit("sm", 1)[1])
         assert nbytes <= SHARED_LIMIT[arch], f"{name} needs {nbytes} B of shared memory"
