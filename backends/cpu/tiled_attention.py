@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,6 +74,26 @@ def unsupported_reason() -> str | None:
     return None
 
 
+#: a build lock older than this was left by a build that died (a build takes about 30 s)
+STALE_LOCK_S = 600.0
+
+
+def remove_stale_build_lock(build: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build``'s ``lock`` if a build that died left it: torch's extension loader waits
+    for that file to disappear, forever, so every later engine start would hang. Returns
+    whether one was removed (logged)."""
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False  # another process may be building right now
+    lock.unlink(missing_ok=True)
+    logger.warning("removed a stale kernel build lock %s (%.0f s old)", lock, age)
+    return True
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("LMCACHE_KERNEL_CACHE") or Path.home() / ".cache/lmcache_backend/kernels"
     return Path(root)
@@ -96,6 +117,7 @@ def load_tiled_attention() -> TiledAttention:
     tag = hashlib.sha256(source + flags).hexdigest()[:12]
     build = _cache_dir() / f"tiled_attention_{tag}"
     build.mkdir(parents=True, exist_ok=True)
+    remove_stale_build_lock(build)
     # torch runs `ninja` from PATH; the pip-installed one sits next to this interpreter
     scripts = str(Path(sys.executable).parent)
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):

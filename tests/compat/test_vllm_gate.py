@@ -193,7 +193,8 @@ def test_a_refused_lmcache_row_stops_the_connector() -> None:
 
 
 def _forget_decisions() -> None:
-    """Clear every cached version / gate decision, whatever this checkout calls them."""
+    """Clear every cached version, platform and gate decision, whatever this checkout calls
+    them (a test that fakes them must not leave its answers to later tests)."""
     import lmcache_backend.compat as compat
 
     for module_name in (
@@ -201,12 +202,14 @@ def _forget_decisions() -> None:
         "lmcache_backend.compat.versions",
         "lmcache_backend.compat.vllm",
         "lmcache_backend.compat.gate",
+        "lmcache_backend.ops.device",
     ):
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        for attr in ("detect_versions", "current_profile", "installed_decision"):
+        cached = ("detect_versions", "current_profile", "installed_decision")
+        for attr in (*cached, "detect_platform", "engine_platform"):
             fn = getattr(module, attr, None)
             if hasattr(fn, "cache_clear"):
                 fn.cache_clear()
@@ -215,11 +218,23 @@ def _forget_decisions() -> None:
     assert compat
 
 
+def _resolve_vllm_platform() -> None:
+    """Let vLLM resolve its platform now, from the real torch and package metadata: it does so
+    once per process, on first use, and keeps the answer; resolved while a test fakes either,
+    every later test in the process would get an unspecified platform."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return
+    assert current_platform.device_type, "vLLM resolved no platform before this test"
+
+
 @pytest.fixture
 def installed(monkeypatch: pytest.MonkeyPatch):
     """``installed(vllm, platform, ascend=None)`` makes package metadata report these versions
     and vLLM's platform be ``platform`` for the rest of the test."""
     pytest.importorskip("vllm")
+    _resolve_vllm_platform()
     real = importlib.metadata.version
 
     def fake(vllm: str, platform: str, ascend: str | None = None) -> None:
@@ -316,12 +331,15 @@ def test_allow_untested_reaches_the_model_adapter_and_the_plugin(installed, monk
     connector = _start_connector(monkeypatch, allow_untested=True, role="WORKER")
     assert _adapter_profile() == connector.profile
     assert connector.profile.release == "0.34.0"
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
     monkeypatch.setitem(plugin_mod._state, "registered", False)
     monkeypatch.setitem(plugin_mod._state, "wrapped", [])
+    # the class as it was: the wrap below is undone after the test
+    monkeypatch.setattr(CPUModelRunner, "load_model", CPUModelRunner.__dict__["load_model"])
     _forget_decisions()  # a fresh worker process: the plugin loads before any connector
     plugin_mod.register()
     assert plugin_mod.hook_status()["registered"]
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     assert getattr(CPUModelRunner.__dict__["load_model"], plugin_mod._MARK, False)
 
@@ -383,6 +401,7 @@ def test_torch_platform_detection_tells_platforms_apart(
 
     from lmcache_backend.ops import device
 
+    _resolve_vllm_platform()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.version, "hip", hip, raising=False)
     monkeypatch.setattr(device, "npu_unavailable_reason", lambda: None if npu else "no NPU")

@@ -201,3 +201,20 @@ def test_cpu_backend_serves_attention_at_positions_with_the_kernel() -> None:
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     assert ops.decline_reason("attention_at_positions", q, k, v, positions, 0.125)
     torch.testing.assert_close(ops.attention_at_positions(q, k, v, positions, 0.125), want)
+
+
+def test_a_stale_build_lock_is_removed(tmp_path, caplog) -> None:
+    """A build killed midway leaves torch's ``lock`` file; the loader would wait for it forever.
+    An old one is removed (logged); a fresh one, a build in progress, is left alone."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not cpu_kernels.remove_stale_build_lock(tmp_path) and lock.exists()
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_kernels.remove_stale_build_lock(tmp_path)
+    assert not lock.exists() and "stale kernel build lock" in caplog.text
+    assert not cpu_kernels.remove_stale_build_lock(tmp_path)  # nothing left to remove

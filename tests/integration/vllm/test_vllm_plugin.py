@@ -38,10 +38,15 @@ def test_wrap_records_unwrapped_model_and_is_idempotent() -> None:
     ModelTracker.unregister_model(ENGINE_NAME)
 
 
-def test_register_wraps_the_platform_runner_once() -> None:
+def test_register_wraps_the_platform_runner_once(monkeypatch) -> None:
     pytest.importorskip("vllm")
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+    # a process the plugin has not run in yet (another test may have registered it here)
+    original = CPUModelRunner.__dict__["load_model"]
+    monkeypatch.setattr(CPUModelRunner, "load_model", getattr(original, "__wrapped__", original))
+    monkeypatch.setitem(plugin_mod._state, "registered", False)
+    monkeypatch.setitem(plugin_mod._state, "wrapped", [])
     plugin_mod.register()
     plugin_mod.register()
     wrapped = CPUModelRunner.__dict__["load_model"]
