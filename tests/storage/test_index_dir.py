@@ -149,9 +149,10 @@ def _child(folder: str, ready) -> None:
 
 
 def test_removed_when_a_multiprocessing_child_is_terminated(tmp_path) -> None:
-    """vLLM's workers are multiprocessing children: they end with os._exit, so atexit never
-    runs there; the folder goes all the same."""
-    ctx = multiprocessing.get_context("spawn")
+    """A forked multiprocessing child ends with os._exit, so atexit never runs there (a spawned
+    one, as vLLM's workers here, exits normally: the exit test above); the folder goes all the
+    same, by the finalizers multiprocessing runs before that."""
+    ctx = multiprocessing.get_context("fork")
     ready = ctx.Event()
     child = ctx.Process(target=_child, args=(str(tmp_path / "index"), ready))
     child.start()

@@ -64,3 +64,24 @@ def test_lookups_and_stores_stay_in_their_salt() -> None:
     assert _store_prompt(cache.salted("tenant-B"), tokens) == 2
     assert len(store.keys()) == 4
     assert cache.salted(None) is cache and cache.salted("") is cache
+
+
+def test_the_vllm_saver_stores_under_the_requests_salt() -> None:
+    from lmcache_backend.integration.vllm.metadata import SaveSpec
+    from lmcache_backend.integration.vllm.saves import SegmentSaver
+
+    store = MemoryTier("cpu", 1 << 20, name="cpu")
+    cache = SegmentCache(store, FP, SEP)
+
+    def read_rows(slots):  # the paged cache's rows at these slots, per layer
+        n = len(slots)
+        return [torch.randn(n, 2, 8) for _ in range(2)], [torch.randn(n, 2, 8) for _ in range(2)]
+
+    saver = SegmentSaver(cache, read_rows, block_size=4)
+    tokens = _prompt()
+    assert saver.save(SaveSpec("r1", tokens, [0, 1, 2], cache_salt="tenant-A")) == 2
+    salted = cache.salted("tenant-A")
+    assert all(held for _, held in salted.cached(tokens))
+    assert not any(held for _, held in cache.cached(tokens)), "nothing stored unsalted"
+    # the same prompt unsalted is stored beside it, not found as already held
+    assert saver.save(SaveSpec("r2", tokens, [0, 1, 2])) == 2
