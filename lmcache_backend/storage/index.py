@@ -154,6 +154,11 @@ class FileSegmentIndex(SegmentIndex):
         whether it is gone. Also done when the process ends."""
         return index_dir.remove(self.folder)
 
+    def remove_if_orphaned(self, wait_s: float = 0.0) -> bool:
+        """Delete the folder once the process that owns it has ended (see
+        :func:`~lmcache_backend.storage.index_dir.remove_if_orphaned`)."""
+        return index_dir.remove_if_orphaned(self.folder, wait_s)
+
 
 class SegmentLookup:
     """Read side for the scheduler: which segments can the worker load?
@@ -166,6 +171,10 @@ class SegmentLookup:
     def __init__(self, index: SegmentIndex | None, remote: Tier | None = None) -> None:
         self.index = index
         self.remote = remote
+        if isinstance(index, FileSegmentIndex) and not index.create:
+            # the worker keeping the folder may be SIGKILLed at shutdown (vLLM does so to a
+            # worker still running after its engine stopped): remove it when this process ends
+            index_dir.watch(index.folder)
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether a ``get`` in the worker is expected to hit (advisory, see module)."""
@@ -178,6 +187,10 @@ class SegmentLookup:
                 found[i] = hit
         return found
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Close the remote tier; remove the index folder if its owner has ended (waiting up to
+        ``wait_s`` for it)."""
         if self.remote is not None:
             self.remote.close()
+        if isinstance(self.index, FileSegmentIndex) and not self.index.create:
+            self.index.remove_if_orphaned(wait_s)

@@ -28,6 +28,7 @@ import signal
 import stat
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from lmcache_backend.config import ConfigError
@@ -42,6 +43,9 @@ _MARKER_RE = re.compile(r"^[0-9a-f]{16,128}$")
 _lock = threading.RLock()
 #: folders this process owns and removes when it ends
 _owned: set[str] = set()
+#: folders another process owns, removed when this one ends if that one is gone (the scheduler
+#: watches its workers' folders: vLLM may SIGKILL a worker at shutdown)
+_watched: set[str] = set()
 #: the process that installed the exit hooks (a forked child installs its own)
 _hooks_pid = 0
 
@@ -238,11 +242,39 @@ def remove_stale(parent: str, keep: str | None = None) -> list[str]:
     return removed
 
 
+def remove_if_orphaned(folder: str, wait_s: float = 0.0) -> bool:
+    """Remove ``folder`` once the process that owns it no longer runs, waiting up to ``wait_s``
+    for it to end; returns whether the folder is gone. A folder whose owner still runs is kept.
+    """
+    folder = os.path.abspath(folder)
+    deadline = time.monotonic() + wait_s
+    while True:
+        owner = _read_owner(folder)
+        if owner is None:
+            return not os.path.lexists(folder)
+        if not _owner_alive(owner):
+            return remove(folder, force=True)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def watch(folder: str) -> None:
+    """Remove ``folder`` when this process ends, if its owner has ended by then (waiting a
+    little for it): for the process that started the owner and outlives it."""
+    with _lock:
+        _watched.add(os.path.abspath(folder))
+    _install_exit_hooks()
+
+
 def _remove_owned() -> None:
     with _lock:
-        folders = list(_owned)
+        folders, watched = list(_owned), list(_watched)
+        _watched.clear()
     for folder in folders:
         remove(folder)
+    for folder in watched:
+        remove_if_orphaned(folder, wait_s=2.0)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

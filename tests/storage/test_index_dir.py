@@ -185,3 +185,19 @@ def test_next_start_removes_folders_of_processes_that_no_longer_run(tmp_path) ->
     finally:
         running.kill()
         running.wait(timeout=30)
+
+
+def test_the_lookup_removes_the_folder_of_a_worker_killed_before_it(tmp_path) -> None:
+    """vLLM SIGKILLs a worker that outlives its engine: the scheduler side (the engine process)
+    removes the folder when it closes, once the owner is gone, and keeps it while it runs."""
+    from lmcache_backend.storage import SegmentLookup
+
+    folder = tmp_path / "index"
+    worker = _keeper(folder)
+    lookup = SegmentLookup(FileSegmentIndex(folder, create=False))
+    lookup.close(wait_s=0.2)
+    assert (folder / KEY).exists(), "the worker still runs: its folder stays"
+    worker.kill()
+    worker.wait(timeout=30)
+    lookup.close(wait_s=2.0)
+    assert not folder.exists()

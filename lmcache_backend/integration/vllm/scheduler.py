@@ -286,6 +286,12 @@ class SchedulerSide:
             claim.cache_salt,
         )
 
+    def shutdown(self) -> None:
+        """The engine stops: close the lookups, removing each rank's index folder once its
+        worker has ended (vLLM may SIGKILL a worker that outlives the engine)."""
+        for lookup in self.lookups:
+            lookup.close(wait_s=2.0)
+
     def finished(self, request: Any) -> None:
         rid = request.request_id
         self._claims.pop(rid, None)
