@@ -153,7 +153,17 @@ def _owner_alive(record: str) -> bool:
         return False
     except PermissionError:  # alive, another user's
         return True
+    if _process_state(pid) == "Z":  # killed, not yet reaped: it runs no more
+        return False
     return not start or _process_start(pid) in ("", start)
+
+
+def _process_state(pid: int) -> str:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return text[text.rfind(")") + 2 :].split(" ", 1)[0]
 
 
 def _me() -> str:
@@ -265,6 +275,25 @@ def watch(folder: str) -> None:
     with _lock:
         _watched.add(os.path.abspath(folder))
     _install_exit_hooks()
+
+
+def remove_orphans_of_default_dir(wait_s: float = 5.0) -> list[str]:
+    """Remove the folders under the default ``index/`` parent whose owner has ended, waiting up
+    to ``wait_s`` for owners that are still running: what a server process runs once its engine
+    stopped (vLLM SIGKILLs a worker that outlives the engine, and the engine may go the same
+    way, so neither can remove the folder itself)."""
+    parent = os.path.join(base_dir(), "index")
+    deadline = time.monotonic() + wait_s
+    removed = remove_stale(parent)
+    while time.monotonic() < deadline:
+        try:
+            if not any(os.scandir(parent)):
+                break
+        except OSError:
+            break
+        time.sleep(0.1)
+        removed += remove_stale(parent)
+    return removed
 
 
 def _remove_owned() -> None:
