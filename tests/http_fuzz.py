@@ -159,6 +159,8 @@ def token_cases(draw, vocab_size: int, model: str) -> Case:
         body["kv_transfer_params"] = params
     valid = bool(ids) and all(0 <= i < vocab_size for i in ids)
     labels = ["token ids" if valid else "token ids outside the vocabulary"]
+    if params is not None and not isinstance(params, dict):  # vLLM wants an object: 400
+        return Case("completions", body, "4xx", labels=labels)
     return Case("completions", body, "ok" if valid else "4xx", labels=labels)
 
 
