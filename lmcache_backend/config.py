@@ -225,7 +225,8 @@ class BlendConfig:
     local_disk: str | None = None
     max_local_disk_size: float = 0.0
     remote_url: str | None = None
-    extra_config: dict = field(default_factory=dict)
+    # repr=False: it may hold a shared secret (shown redacted by describe())
+    extra_config: dict = field(default_factory=dict, repr=False)
     # key -> where its value came from ("default", a file path, "LMCACHE_X", "argument")
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -249,7 +250,7 @@ class BlendConfig:
         if not ratios:
             raise self._fail("blend_recompute_ratios", ratios, "at least one ratio is needed")
         for ratio in ratios:
-            if not 0.0 <= ratio <= 1.0:
+            if not 0.0 <= ratio <= 1.0:  # also refuses NaN
                 raise self._fail(
                     "blend_recompute_ratios",
                     ratios,
@@ -285,10 +286,15 @@ class BlendConfig:
             raise self._fail("blend_block_size", self.blend_block_size, "must be >= 1 (tokens)")
         if self.backend not in BACKEND_CHOICES:
             raise self._fail("backend", self.backend, f"choose one of {', '.join(BACKEND_CHOICES)}")
-        if self.max_local_cpu_size <= 0:
-            raise self._fail("max_local_cpu_size", self.max_local_cpu_size, "must be > 0 (GB)")
-        if self.max_local_disk_size < 0:
-            raise self._fail("max_local_disk_size", self.max_local_disk_size, "must be >= 0 (GB)")
+        # "not >": NaN compares false with everything and would pass a "<= 0" check
+        if not (math.isfinite(self.max_local_cpu_size) and self.max_local_cpu_size > 0):
+            raise self._fail(
+                "max_local_cpu_size", self.max_local_cpu_size, "must be a finite number > 0 (GB)"
+            )
+        if not (math.isfinite(self.max_local_disk_size) and self.max_local_disk_size >= 0):
+            raise self._fail(
+                "max_local_disk_size", self.max_local_disk_size, "must be a finite number >= 0 (GB)"
+            )
         if not self.use_layerwise and self.enable_blending:
             logger.info("use_layerwise=False is ignored: CacheBlend always runs layer by layer")
 
@@ -324,19 +330,34 @@ class BlendConfig:
         return BlendConfig(**values, sources=sources)
 
     def describe(self) -> str:
-        """One line per key: ``name = value  (source)``."""
+        """One line per key: ``name = value  (source)``; secrets are shown as ``<hidden>``."""
         return "\n".join(
-            f"{key.name} = {getattr(self, key.name)!r}  ({self.sources.get(key.name, 'default')})"
+            f"{key.name} = {_redacted(key.name, getattr(self, key.name))!r}  "
+            f"({self.sources.get(key.name, 'default')})"
             for key in CONFIG_KEYS
         )
+
+
+#: ``extra_config`` keys whose values are never printed
+SECRET_EXTRA_KEYS = frozenset({"shared_secret"})
+
+
+def _redacted(key: str, value: Any) -> Any:
+    """``value`` of ``key`` fit to print: ``extra_config``'s secrets replaced."""
+    if key == "extra_config" and isinstance(value, Mapping):
+        return {k: "<hidden>" if k in SECRET_EXTRA_KEYS else v for k, v in value.items()}
+    if key == "extra_config" and any(s in str(value) for s in SECRET_EXTRA_KEYS):
+        return "<hidden: holds a secret>"
+    return value
 
 
 def _parse_value(key: str, raw: Any, where: str) -> Any:
     spec = _KEYS_BY_NAME[key]
     try:
         return spec.parse(raw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{key} (from {where}) = {raw!r}: cannot parse ({exc})") from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        shown = _redacted(key, raw)
+        raise ConfigError(f"{key} (from {where}) = {shown!r}: cannot parse ({exc})") from None
 
 
 def _warn_unknown(key: str, where: str) -> None:

@@ -39,7 +39,8 @@ def plan_request(
     cached_prefix, compute_end = request.cached_prefix, request.compute_end
     strict_end, recompute, mask = request.strict_end, request.recompute, request.mask
     device = model.device
-    task = retriever.new_request(token_list, None)
+    # the request's salt names the only namespace it may reuse from (no other tenant's entries)
+    task = retriever.new_request(token_list, None, cache_salt=request.cache_salt)
     timer.lap("lookup")
     valid = task.valid_mask.clone()
     if cached_prefix is not None:

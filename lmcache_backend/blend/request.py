@@ -42,6 +42,8 @@ class BlendRequest:
             nothing) or a fallback; a check-layer selection raises ``ValueError``.
         config: this request's settings (its ``kv_transfer_params`` applied to the engine's),
             already validated; None: the blender's own.
+        cache_salt: the request's ``cache_salt`` (vLLM's tenant isolation): only segments
+            stored under the same salt are reused; ``None``: unsalted segments only.
     """
 
     token_ids: list[int]
@@ -51,6 +53,7 @@ class BlendRequest:
     compute_end: int | None = None
     strict_end: bool = False
     config: BlendConfig | None = None
+    cache_salt: str | None = None
 
     @classmethod
     def of(cls, tokens: torch.Tensor | Sequence[int], **fields: Any) -> BlendRequest:

@@ -128,15 +128,21 @@ class SPTBlendRetriever(BlendRetriever):
         self.dtype = dtype
 
     def new_request(
-        self, input_tokens: torch.Tensor | Sequence[int], query_start_loc: torch.Tensor | None
+        self,
+        input_tokens: torch.Tensor | Sequence[int],
+        query_start_loc: torch.Tensor | None,
+        cache_salt: str | None = None,
     ) -> SPTBlendRetrieverTask:
+        """Look the segments of ``input_tokens`` up in the namespace of ``cache_salt`` (the
+        request's; ``None``: unsalted): a segment stored under another salt is never found."""
+        cache = self.segment_cache.salted(cache_salt)
         tokens = (
             input_tokens.tolist() if isinstance(input_tokens, torch.Tensor) else list(input_tokens)
         )
         bounds = [0, len(tokens)] if query_start_loc is None else [int(b) for b in query_start_loc]
         hits: list[tuple[int, SegmentKV]] = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            for segment, kv in self.segment_cache.lookup(tokens[lo:hi]):
+            for segment, kv in cache.lookup(tokens[lo:hi]):
                 if kv is not None:
                     hits.append((lo + segment.start, kv))
         return SPTBlendRetrieverTask(hits, len(tokens), self.device, self.dtype)

@@ -8,6 +8,10 @@ Only segments before the query tail are cached: with a separator, the segments t
 and the assistant header. It is new in every real RAG request, so it is never served from the
 store (even when an earlier prompt held the same question, its K/V were computed against another
 context) and never stored.
+
+A cache is bound to one key namespace: unsalted, or one request's ``cache_salt``
+(:meth:`SegmentCache.salted`); keys of two namespaces never coincide, so requests of different
+salts never see each other's segments.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class SegmentCache:
         separator: the segment pattern (:func:`~lmcache_backend.blend.segmenting.segment_pattern`:
             a separator, or separator-free blocks), or plain separator token ids matched as
             they are.
+        salt: the key namespace (a request's ``cache_salt``); ``None`` or ``""``: unsalted.
     """
 
     def __init__(
@@ -40,10 +45,18 @@ class SegmentCache:
         store: SegmentStore,
         fingerprint: ModelFingerprint,
         separator: SegmentPattern | Sequence[int],
+        salt: str | None = None,
     ) -> None:
         self.store = store
         self.fingerprint = fingerprint
         self.pattern = as_pattern(separator)
+        self.salt = salt or None
+
+    def salted(self, salt: str | None) -> SegmentCache:
+        """This cache in the namespace of ``salt`` (itself when the namespace is the same)."""
+        if (salt or None) == self.salt:
+            return self
+        return SegmentCache(self.store, self.fingerprint, self.pattern, salt)
 
     def segments(self, tokens: Sequence[int]) -> list[Segment]:
         """Every segment of ``tokens``, the query tail included."""
@@ -58,10 +71,11 @@ class SegmentCache:
         return self.pattern.store_units(tokens)
 
     def key(self, tokens: Sequence[int], segment: Segment) -> str:
-        return segment_key(self.fingerprint, tokens[segment.start : segment.end])
+        return segment_key(self.fingerprint, tokens[segment.start : segment.end], self.salt)
 
     def keys(self, tokens: Sequence[int], segments: Sequence[Segment]) -> list[str]:
-        return segment_keys(self.fingerprint, tokens, [(s.start, s.end) for s in segments])
+        spans = [(s.start, s.end) for s in segments]
+        return segment_keys(self.fingerprint, tokens, spans, self.salt)
 
     def cached(self, tokens: Sequence[int]) -> list[tuple[Segment, bool]]:
         """Each unit a computed prompt stores, with whether the store holds it (nothing is

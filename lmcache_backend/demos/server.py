@@ -220,14 +220,20 @@ class RagClient:
         max_tokens: int = 24,
         params: dict | None = None,
         stream: bool = True,
+        cache_salt: str | None = None,
     ) -> Reply:
+        """Ask ``question`` over ``docs``; ``params``: the request's ``kv_transfer_params``;
+        ``cache_salt``: vLLM's per-tenant cache isolation (requests of different salts share
+        no cached K/V)."""
         from lmcache_backend.blend.segmenting import chat_messages
 
+        body: dict[str, Any] = {}
+        if params is not None:
+            body["kv_transfer_params"] = params
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         kwargs: dict[str, Any] = dict(
-            model=self.model,
-            max_tokens=max_tokens,
-            temperature=0,
-            extra_body={"kv_transfer_params": params} if params is not None else None,
+            model=self.model, max_tokens=max_tokens, temperature=0, extra_body=body or None
         )
         if self.fmt == "chat":
             create = self.client.chat.completions.create

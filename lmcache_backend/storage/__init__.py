@@ -10,12 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmcache_backend.storage.disk import DiskTier
-from lmcache_backend.storage.index import (
-    FileSegmentIndex,
-    SegmentIndex,
-    SegmentLookup,
-    default_index_dir,
-)
+from lmcache_backend.storage.index import FileSegmentIndex, SegmentIndex, SegmentLookup
+from lmcache_backend.storage.index_dir import IndexDirError, default_index_dir
 from lmcache_backend.storage.memory import MemoryTier
 from lmcache_backend.storage.serde import (
     CorruptEntryError,
@@ -35,6 +31,7 @@ __all__ = [
     "ExpectedLayout",
     "FileSegmentIndex",
     "FingerprintMismatchError",
+    "IndexDirError",
     "MemoryTier",
     "RedisTier",
     "SegmentIndex",

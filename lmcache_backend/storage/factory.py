@@ -3,7 +3,8 @@
 LMCache keys used: ``local_cpu``, ``max_local_cpu_size`` (GB), ``local_disk`` (folder, optionally
 ``file://``-prefixed), ``max_local_disk_size`` (GB), ``remote_url`` (``redis://``,
 ``rediss://`` or ``unix://``). Settings without an LMCache name are read from ``extra_config``
-(see :data:`EXTRA_DEFAULTS`).
+(see :data:`~lmcache_backend.storage.settings.EXTRA_DEFAULTS`), checked by
+:func:`~lmcache_backend.storage.settings.store_settings`.
 """
 
 from __future__ import annotations
@@ -11,21 +12,22 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any
 
 import torch
 
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.models.fingerprint import ModelFingerprint
+from lmcache_backend.storage.auth import EntryAuth
 from lmcache_backend.storage.disk import DiskTier
-from lmcache_backend.storage.index import (
-    FileSegmentIndex,
-    SegmentIndex,
-    SegmentLookup,
-    default_index_dir,
-)
+from lmcache_backend.storage.index import FileSegmentIndex, SegmentIndex, SegmentLookup
+from lmcache_backend.storage.index_dir import default_index_dir
 from lmcache_backend.storage.memory import MemoryTier
 from lmcache_backend.storage.serde import ExpectedLayout, fingerprint_hex
+from lmcache_backend.storage.settings import (
+    EXTRA_DEFAULTS,  # noqa: F401 - its old home
+    StoreSettings,
+    store_settings,
+)
 from lmcache_backend.storage.tier import Tier
 from lmcache_backend.storage.tiered import TieredStore
 
@@ -33,29 +35,6 @@ logger = logging.getLogger(__name__)
 
 GB = 1024**3
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
-
-#: ``extra_config`` settings of the store, with their defaults.
-EXTRA_DEFAULTS: dict[str, Any] = {
-    # accelerator-memory tier in GB; 0 turns it off (vLLM's KV cache needs that memory)
-    "max_local_device_size": 0.0,
-    # keep the cross-process index (marker files) for the scheduler
-    "segment_index": True,
-    # folder of the index; default /dev/shm/lmcache_backend/index/<instance_id>
-    "segment_index_dir": None,
-    # return copies from memory tiers so callers may work on results in place
-    "copy_on_get": True,
-    # namespace of the keys in Redis; None: "lmcache_backend:segment:"
-    "remote_key_prefix": None,
-    "remote_timeout": 1.0,  # s per command
-    "remote_connect_timeout": 0.25,  # s per connection attempt
-    "remote_ttl": None,  # s; None keeps entries until the server evicts them
-    "remote_retry_base_delay": 0.5,  # s before the first reconnection attempt
-    "remote_retry_max_delay": 30.0,  # s, cap of the doubling backoff
-}
-
-
-def _extra(config: BlendConfig, name: str) -> Any:
-    return config.extra_config.get(name, EXTRA_DEFAULTS[name])
 
 
 def _disk_folder(config: BlendConfig) -> str | None:
@@ -65,15 +44,24 @@ def _disk_folder(config: BlendConfig) -> str | None:
     return folder[len("file://") :] if folder.startswith("file://") else folder
 
 
-def _index(config: BlendConfig, instance_id: str, index_dir: str | None) -> SegmentIndex | None:
-    if not _extra(config, "segment_index"):
+def _index(
+    settings: StoreSettings, instance_id: str, index_dir: str | None, create: bool
+) -> SegmentIndex | None:
+    """The index: created and owned by the worker's store (``create``), read by the lookup."""
+    if not settings.segment_index:
         return None
-    folder = index_dir or _extra(config, "segment_index_dir") or default_index_dir(instance_id)
-    return FileSegmentIndex(folder)
+    folder = index_dir or settings.segment_index_dir
+    if folder:
+        return FileSegmentIndex(folder, create=create)
+    return FileSegmentIndex(default_index_dir(instance_id), create=create, default_location=True)
 
 
 def _remote(
-    config: BlendConfig, fingerprint: str | None, layout: ExpectedLayout | None, shard: str = ""
+    config: BlendConfig,
+    settings: StoreSettings,
+    fingerprint: str | None,
+    layout: ExpectedLayout | None,
+    shard: str = "",
 ) -> Tier | None:
     url = config.remote_url
     if not url:
@@ -87,18 +75,17 @@ def _remote(
         return None
     from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier
 
-    ttl = _extra(config, "remote_ttl")
     return RedisTier(
         url,
         fingerprint=fingerprint,
         layout=layout,
-        prefix=str(_extra(config, "remote_key_prefix") or DEFAULT_PREFIX)
-        + (f"{shard}:" if shard else ""),
-        timeout=float(_extra(config, "remote_timeout")),
-        connect_timeout=float(_extra(config, "remote_connect_timeout")),
-        ttl=float(ttl) if ttl else None,
-        retry_base_delay=float(_extra(config, "remote_retry_base_delay")),
-        retry_max_delay=float(_extra(config, "remote_retry_max_delay")),
+        prefix=(settings.remote_key_prefix or DEFAULT_PREFIX) + (f"{shard}:" if shard else ""),
+        timeout=settings.remote_timeout,
+        connect_timeout=settings.remote_connect_timeout,
+        ttl=settings.remote_ttl or None,
+        retry_base_delay=settings.remote_retry_base_delay,
+        retry_max_delay=settings.remote_retry_max_delay,
+        auth=EntryAuth(settings.secret) if settings.secret is not None else None,
     )
 
 
@@ -128,7 +115,12 @@ def create_store(
         instance_id: names the default index folder; the scheduler's :func:`create_lookup`
             must use the same id.
         index_dir: index folder, overriding ``extra_config["segment_index_dir"]``.
+
+    Raises:
+        ConfigError: an ``extra_config`` setting is invalid, or the index folder cannot be
+            used safely (:class:`~lmcache_backend.storage.index_dir.IndexDirError`).
     """
+    settings = store_settings(config)
     if shard and not re.match(r"^[A-Za-z0-9_.-]+$", shard):
         raise ValueError(f"shard must be a plain name, got {shard!r}")
     fp = fingerprint_hex(fingerprint, shard) if fingerprint is not None else None
@@ -137,9 +129,9 @@ def create_store(
         if fingerprint is not None
         else None
     )
-    copy_on_get = bool(_extra(config, "copy_on_get"))
+    copy_on_get = settings.copy_on_get
     tiers: list[Tier] = []
-    device_gb = float(_extra(config, "max_local_device_size"))
+    device_gb = settings.max_local_device_size
     if device is not None and torch.device(device).type != "cpu" and device_gb > 0:
         tiers.append(MemoryTier(device, int(device_gb * GB), "device", copy_on_get))
     if config.local_cpu:
@@ -156,12 +148,12 @@ def create_store(
             tiers.append(DiskTier(folder, int(config.max_local_disk_size * GB), fp, layout))
         else:
             logger.warning("local_disk=%r is ignored: max_local_disk_size is 0 GB", folder)
-    remote = _remote(config, fp, layout, shard)
+    remote = _remote(config, settings, fp, layout, shard)
     if remote is not None:
         tiers.append(remote)
     if not tiers:
         logger.warning("no segment store tier is enabled: every lookup will miss")
-    index = _index(config, instance_id, index_dir)
+    index = _index(settings, instance_id, index_dir, create=True)
     store = TieredStore(tiers, index)
     logger.info("segment store tiers: %s", ", ".join(t.name for t in tiers) if tiers else "(none)")
     return store
@@ -176,8 +168,10 @@ def create_lookup(
 ) -> SegmentLookup:
     """The scheduler's view of the worker's store: the index, plus Redis when configured.
 
-    Cheap: it holds no tensors and never reads an entry. ``shard`` selects the Redis namespace
+    Cheap: it holds no tensors and never reads an entry (so it needs no shared secret), and it
+    never creates the index folder (the worker's store does). ``shard`` selects the Redis namespace
     of one tensor-parallel rank (see :func:`create_store`).
     """
-    remote = _remote(config, None, None, shard)
-    return SegmentLookup(_index(config, instance_id, index_dir), remote)
+    settings = store_settings(config)
+    remote = _remote(config, settings, None, None, shard)
+    return SegmentLookup(_index(settings, instance_id, index_dir, create=False), remote)

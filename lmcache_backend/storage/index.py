@@ -7,6 +7,9 @@ on store, deleted when the last local tier drops the segment); the scheduler rea
 :class:`SegmentLookup`, which also asks the shared Redis tier (one pipelined round trip) about
 the keys no local tier holds.
 
+The folder is private to its user and removed when the process that keeps it ends
+(:mod:`lmcache_backend.storage.index_dir`): marker names are segment keys.
+
 Consistency: the index is advisory. Markers are created after the entry is stored and deleted
 after it is gone, so a reader may briefly see a stale "yes" (the entry was just evicted) or a
 stale "no" (it is being stored). Both are safe: on a stale "yes" the worker's ``get`` misses and
@@ -18,10 +21,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from lmcache_backend.storage import index_dir
+from lmcache_backend.storage.index_dir import default_index_dir  # noqa: F401 - its old home
 from lmcache_backend.storage.tier import Tier, check_key
 
 logger = logging.getLogger(__name__)
@@ -52,47 +56,57 @@ class SegmentIndex(ABC):
         """Forget every key."""
 
 
-def default_index_dir(instance_id: str = "default") -> str:
-    """``/dev/shm/lmcache_backend/index/<instance_id>`` (memory-backed), else under the
-    temporary directory. Scheduler and worker of one engine must use the same ``instance_id``;
-    engines on one machine must use different ones."""
-    if not re.match(r"^[A-Za-z0-9_.-]+$", instance_id) or instance_id in (".", ".."):
-        raise ValueError(f"instance_id must be a plain name, got {instance_id!r}")
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    base = base or tempfile.gettempdir()
-    return os.path.join(base, "lmcache_backend", "index", instance_id)
-
-
 class FileSegmentIndex(SegmentIndex):
     """One empty marker file per key in ``folder``.
 
     Creating and deleting a file are atomic and need no lock shared between processes; a lookup
     is one ``stat`` per key (microseconds on tmpfs). A failure to update a marker is logged once
     and otherwise ignored: the index is advisory.
+
+    Args:
+        folder: the folder.
+        create: this process keeps the markers (the worker's store): the folder is created
+            private to this user (or checked) and this process owns it, removing it when it
+            ends (:mod:`~lmcache_backend.storage.index_dir`). False (the scheduler's
+            lookup): the folder is only read, and a missing one holds no key.
+        default_location: ``folder`` is :func:`default_index_dir`'s: its per-user parents are
+            made private too, and folders left there by processes that no longer run are
+            removed.
+
+    Raises:
+        IndexDirError: ``folder`` is a symlink, not a folder or another user's.
     """
 
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = os.fspath(folder)
-        os.makedirs(self.folder, exist_ok=True)
+    def __init__(
+        self, folder: str | os.PathLike, create: bool = True, default_location: bool = False
+    ) -> None:
+        self.folder = os.path.abspath(os.fspath(folder))
+        self.create = create
+        if create:
+            index_dir.prepare(self.folder, default_location)
         self._warned = False
 
     def _path(self, key: str) -> str:
         check_key(key)
         return os.path.join(self.folder, key)
 
-    def _warn_once(self, exc: OSError) -> None:
+    def _warn_once(self, exc: Exception) -> None:
         if not self._warned:
             self._warned = True
             logger.warning("segment index %s cannot be updated (%s)", self.folder, exc)
 
+    def _create_marker(self, key: str) -> None:
+        flags = os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW
+        os.close(os.open(self._path(key), flags, 0o600))
+
     def add(self, key: str) -> None:
         try:
-            os.close(os.open(self._path(key), os.O_CREAT | os.O_WRONLY, 0o644))
-        except FileNotFoundError:  # the folder was removed; recreate it once
+            self._create_marker(key)
+        except FileNotFoundError:  # the folder was removed; recreate it (private) once
             try:
-                os.makedirs(self.folder, exist_ok=True)
-                os.close(os.open(self._path(key), os.O_CREAT | os.O_WRONLY, 0o644))
-            except OSError as exc:
+                index_dir.prepare(self.folder, default=False)
+                self._create_marker(key)
+            except (OSError, index_dir.IndexDirError) as exc:
                 self._warn_once(exc)
         except OSError as exc:
             self._warn_once(exc)
@@ -135,6 +149,16 @@ class FileSegmentIndex(SegmentIndex):
             except OSError:
                 pass
 
+    def remove(self) -> bool:
+        """Delete the folder if this process owns it (markers, owner record, folder); returns
+        whether it is gone. Also done when the process ends."""
+        return index_dir.remove(self.folder)
+
+    def remove_if_orphaned(self, wait_s: float = 0.0) -> bool:
+        """Delete the folder once the process that owns it has ended (see
+        :func:`~lmcache_backend.storage.index_dir.remove_if_orphaned`)."""
+        return index_dir.remove_if_orphaned(self.folder, wait_s)
+
 
 class SegmentLookup:
     """Read side for the scheduler: which segments can the worker load?
@@ -147,6 +171,10 @@ class SegmentLookup:
     def __init__(self, index: SegmentIndex | None, remote: Tier | None = None) -> None:
         self.index = index
         self.remote = remote
+        if isinstance(index, FileSegmentIndex) and not index.create:
+            # the worker keeping the folder may be SIGKILLed at shutdown (vLLM does so to a
+            # worker still running after its engine stopped): remove it when this process ends
+            index_dir.watch(index.folder)
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether a ``get`` in the worker is expected to hit (advisory, see module)."""
@@ -159,6 +187,10 @@ class SegmentLookup:
                 found[i] = hit
         return found
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Close the remote tier; remove the index folder if its owner has ended (waiting up to
+        ``wait_s`` for it)."""
         if self.remote is not None:
             self.remote.close()
+        if isinstance(self.index, FileSegmentIndex) and not self.index.create:
+            self.index.remove_if_orphaned(wait_s)

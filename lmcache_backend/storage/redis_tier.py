@@ -5,6 +5,11 @@ A value is the byte format of :mod:`lmcache_backend.storage.serde` stored under
 same segment keep that value). Capacity and eviction are the server's: run it with ``maxmemory``
 and ``maxmemory-policy allkeys-lru`` to get LRU eviction within a byte budget.
 
+With a shared secret (``auth``) every value is sealed with an HMAC over its key and bytes
+(:mod:`lmcache_backend.storage.auth`) and every value read must carry a valid tag: one that does
+not is a miss, logged, counted (:attr:`RedisTier.rejected`) and deleted, never parsed. Without
+one, anyone who can write to the server chooses the K/V other engines load.
+
 When the server cannot be reached every operation degrades to a miss (``get``/``contains``) or a
 skipped store (``put``) after at most one socket timeout; :class:`ConnectionGuard` then skips the
 server without any network call and reconnects in the background.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -21,6 +27,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from lmcache_backend.storage.auth import AuthenticationError, EntryAuth, is_sealed
 from lmcache_backend.storage.health import ConnectionGuard
 from lmcache_backend.storage.segments import SegmentKV
 from lmcache_backend.storage.serde import (
@@ -61,6 +68,8 @@ class RedisTier(Tier):
         connect_timeout: socket timeout (s) for opening a connection.
         ttl: seconds an entry lives in the server (``None``: until the server evicts it).
         retry_base_delay, retry_max_delay: reconnection backoff (s), doubling from base to max.
+        auth: seals every value written and checks every value read (the shared secret);
+            ``None``: values are stored as they are, and sealed ones are not used.
     """
 
     name = "redis"
@@ -77,9 +86,14 @@ class RedisTier(Tier):
         ttl: float | None = None,
         retry_base_delay: float = 0.5,
         retry_max_delay: float = 30.0,
+        auth: EntryAuth | None = None,
     ) -> None:
         super().__init__()
         self.url = url
+        self.auth = auth
+        #: values refused because their authentication tag was missing or wrong
+        self.rejected = 0
+        self._rejected_lock = threading.Lock()
         self.fingerprint = fingerprint
         self.layout = layout
         self.prefix = prefix
@@ -128,17 +142,46 @@ class RedisTier(Tier):
         data = self._call(lambda: self._client.get(rkey), None)
         if data is None:
             return None
+        entry = self._open(key, rkey, data)
+        if entry is None:
+            return None
         try:
-            return decode(data, key, self.fingerprint, self.layout)
+            return decode(entry, key, self.fingerprint, self.layout)
         except CorruptEntryError as exc:
             logger.warning("redis tier: dropping corrupted segment %s: %s", rkey, exc)
-            sha1 = hashlib.sha1(data).hexdigest()
-            self._call(lambda: self._delete_if_same(keys=[rkey], args=[sha1]), 0)
-            self._notify_evicted([key])
+            self._drop(key, rkey, data)
             return None
         except FingerprintMismatchError as exc:
             logger.warning("redis tier: %s not used: %s", rkey, exc)
             return None
+
+    def _open(self, key: str, rkey: str, data: bytes) -> bytes | memoryview | None:
+        """The entry inside the value ``data``, or None when it must not be used."""
+        if self.auth is None:
+            if is_sealed(data):  # another engine's, with a secret this one does not have
+                logger.warning(
+                    "redis tier: %s not used: it is authenticated with a shared secret and "
+                    "this engine has none",
+                    rkey,
+                )
+                return None
+            return data
+        try:
+            return self.auth.open(key, data)
+        except AuthenticationError as exc:
+            # whoever wrote it does not hold the secret: never parsed; deleted so that this
+            # engine's own computation of the segment can be stored (SET NX keeps the first)
+            with self._rejected_lock:
+                self.rejected += 1
+            logger.warning("redis tier: refusing segment %s: %s; deleted", rkey, exc)
+            self._drop(key, rkey, data)
+            return None
+
+    def _drop(self, key: str, rkey: str, data: bytes) -> None:
+        """Delete ``rkey`` if it still holds ``data`` (another engine may have replaced it)."""
+        sha1 = hashlib.sha1(data).hexdigest()
+        self._call(lambda: self._delete_if_same(keys=[rkey], args=[sha1]), 0)
+        self._notify_evicted([key])
 
     def put(self, key: str, kv: SegmentKV) -> bool:
         rkey = self._rkey(key)
@@ -149,6 +192,8 @@ class RedisTier(Tier):
         except ValueError as exc:
             logger.warning("redis tier: segment not stored: %s", exc)
             return False
+        if self.auth is not None:
+            data = self.auth.seal(key, data)
 
         def store() -> bool:
             # SET NX: the first writer wins; an existing entry counts as stored.

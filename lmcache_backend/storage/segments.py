@@ -1,8 +1,10 @@
 """The segment store's interface: per-layer K/V of token segments, keyed by model and tokens.
 
-A key is ``sha256(model fingerprint, segment token ids)``, so a segment is never served to another
-model or configuration. A value (:class:`SegmentKV`) holds every layer's K (post-RoPE, rotated at
-the positions it was computed at) and V, plus the position of its first token.
+A key is ``sha256(key seed, segment token ids)``, the seed being the model fingerprint's digest,
+or, for a request with a ``cache_salt``, a digest of the fingerprint and the salt: a segment is
+never served to another model or configuration, nor across salts (tenants). A value
+(:class:`SegmentKV`) holds every layer's K (post-RoPE, rotated at the positions it was computed
+at) and V, plus the position of its first token.
 
 This module holds the key, the value and the store interface; the tiers (device, CPU, disk, Redis)
 live beside it in :mod:`lmcache_backend.storage`.
@@ -20,22 +22,54 @@ import torch
 
 from lmcache_backend.models.fingerprint import ModelFingerprint
 
+#: Separates the salted seed's hash input from every other sha256 input of the package.
+_SALT_DOMAIN = b"\x00lmcache_backend.cache_salt.v1\x00"
 
-def segment_key(fingerprint: ModelFingerprint, tokens: Sequence[int] | torch.Tensor) -> str:
-    """Hex key of one segment: ``sha256(fingerprint digest, token ids as little-endian int64)``."""
+
+def key_seed(fingerprint: ModelFingerprint, salt: str | None = None) -> bytes:
+    """The 32 bytes every key of a namespace starts from.
+
+    Without a salt (``None`` or ``""``, as vLLM treats an empty salt) the fingerprint's digest,
+    so unsalted keys are those of earlier releases. With one,
+    ``sha256(domain, fingerprint digest, len(salt), salt)``: 32 bytes as well, so the token ids
+    that follow can never make a salted key equal an unsalted one or another salt's.
+    """
+    digest = fingerprint.digest()
+    if not salt:
+        return digest
+    # surrogatepass: a JSON string may hold a lone surrogate ("\ud800"), which plain UTF-8
+    # refuses to encode; it is still a distinct salt
+    raw = str(salt).encode("utf-8", "surrogatepass")
+    h = hashlib.sha256(_SALT_DOMAIN)
+    h.update(digest)
+    h.update(struct.pack("<Q", len(raw)))
+    h.update(raw)
+    return h.digest()
+
+
+def segment_key(
+    fingerprint: ModelFingerprint,
+    tokens: Sequence[int] | torch.Tensor,
+    salt: str | None = None,
+) -> str:
+    """Hex key of one segment: ``sha256(key_seed(fingerprint, salt), token ids as
+    little-endian int64)``."""
     ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-    h = hashlib.sha256(fingerprint.digest())
+    h = hashlib.sha256(key_seed(fingerprint, salt))
     h.update(struct.pack(f"<{len(ids)}q", *ids))
     return h.hexdigest()
 
 
 def segment_keys(
-    fingerprint: ModelFingerprint, tokens: Sequence[int], spans: Sequence[tuple[int, int]]
+    fingerprint: ModelFingerprint,
+    tokens: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    salt: str | None = None,
 ) -> list[str]:
-    """:func:`segment_key` of ``tokens[start:end]`` for each ``(start, end)`` span (the
-    fingerprint is hashed once: the separator-free lookup keys a window at every offset)."""
+    """:func:`segment_key` of ``tokens[start:end]`` for each ``(start, end)`` span (the seed is
+    hashed once: the separator-free lookup keys a window at every offset)."""
     ids = list(tokens)
-    base = hashlib.sha256(fingerprint.digest())
+    base = hashlib.sha256(key_seed(fingerprint, salt))
     keys = []
     for start, end in spans:
         h = base.copy()

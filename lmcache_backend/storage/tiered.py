@@ -125,12 +125,14 @@ class TieredStore(SegmentStore):
         return sum(t.nbytes for t in self.local_tiers)
 
     def stats(self) -> dict:
-        """Hits per tier, misses, and bytes per tier."""
+        """Hits per tier, misses, bytes per tier, and the values a shared tier refused for a
+        missing or wrong authentication tag (``rejected``)."""
         with self._stats_lock:
             return {
                 "hits": dict(self._hits),
                 "misses": self._misses,
                 "bytes": {t.name: t.nbytes for t in self.tiers},
+                "rejected": {t.name: t.rejected for t in self.tiers if hasattr(t, "rejected")},
             }
 
     def close(self) -> None:

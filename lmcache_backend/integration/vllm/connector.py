@@ -194,3 +194,5 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

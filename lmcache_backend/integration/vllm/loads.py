@@ -107,6 +107,7 @@ class Loads:
             compute_end=spec.end,
             strict_end=spec.sliced,
             config=spec.config,
+            cache_salt=spec.cache_salt,
         )
         return self.blender.run(request, target, timer)
 

@@ -24,6 +24,8 @@ class LoadSpec:
             step and advances a fixed number of layer passes per step; vLLM allocated blocks
             for tokens ``0..end-1`` only, and schedules the request once the worker reports it
             in ``finished_recving``.
+        cache_salt: the request's ``cache_salt`` (``Request.cache_salt``): the blend reuses
+            only segments stored under this salt; ``None``: unsalted ones.
     """
 
     req_id: str
@@ -33,15 +35,18 @@ class LoadSpec:
     end: int
     config: BlendConfig | None = None
     sliced: bool = False
+    cache_salt: str | None = None
 
 
 @dataclass
 class SaveSpec:
-    """Store the segments of a prompt whose K/V are all in the paged cache after this step."""
+    """Store the segments of a prompt whose K/V are all in the paged cache after this step,
+    under the request's ``cache_salt`` (``None``: unsalted)."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Whichever path computed a prompt (vLLM's prefill or a blend), its segments are read back from the
 paged cache after the step's forward pass, those the store lacks. A segment holding rows a blend
-reused from the store is not stored again: its K/V are not a computation of its own.
+reused from the store is not stored again: its K/V are not a computation of its own. Segments are
+stored under the request's ``cache_salt``: another salt never finds them.
 """
 
 from __future__ import annotations
@@ -58,12 +59,13 @@ class SegmentSaver:
         """Store the segments of ``spec``'s prompt the store lacks; returns how many."""
         tokens = spec.token_ids
         reused = self._reused.pop(spec.req_id, None)
+        segments = self.segments.salted(spec.cache_salt)
         # cached() covers the chunks only: the query tail is never stored. A unit holding rows
         # blended from the store is not stored either (separator-free blocks can overlap a
         # reused block found at another offset).
         missing = [
             seg
-            for seg, hit in self.segments.cached(tokens)
+            for seg, hit in segments.cached(tokens)
             if not hit and (reused is None or not bool(reused[seg.start : seg.end].any()))
         ]
         if not missing:
@@ -72,7 +74,7 @@ class SegmentSaver:
         stored = 0
         for segment in missing:  # read back only the rows of the segments to store
             keys, values = self.read_rows(slots[segment.start : segment.end])
-            stored += self.segments.store_segment(tokens, segment, keys, values)
+            stored += segments.store_segment(tokens, segment, keys, values)
         self.stored_segments += stored
         logger.debug("request %s: stored %d segments", spec.req_id, stored)
         return stored

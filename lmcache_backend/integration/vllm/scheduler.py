@@ -18,6 +18,13 @@ tail. A request aborted meanwhile is sent to the workers as a cancel.
 
 The lookup is the store's cross-process index (:func:`lmcache_backend.storage.create_lookup`),
 one per tensor-parallel rank: a segment counts only when every rank holds its shard.
+
+Tenants: a request's ``cache_salt`` (vLLM's ``Request.cache_salt``) is part of every key it looks
+up, loads and stores (it travels to the workers in its ``LoadSpec`` and ``SaveSpec``), so requests
+of different salts never share a segment, as vLLM's own prefix cache never shares their blocks.
+A request with a LoRA adapter is neither claimed nor stored: the keys do not know the adapter
+(with blending on, the connector refuses LoRA at start-up; with it off, segments are still stored
+for other engines sharing the store, and an adapter's K/V must not reach them).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class _Claim:
     #: the request's own settings, or None: the engine's
     config: BlendConfig | None
     sliced: bool = False
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -54,6 +62,7 @@ class _Tracked:
 
     token_ids: list[int]
     block_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -63,6 +72,15 @@ class ClaimStats:
     requests: int = 0
     claimed_requests: int = 0
     claimed_tokens: int = 0
+
+
+def request_salt(request: Any) -> str | None:
+    """``request.cache_salt`` as a key namespace: ``None`` for no salt (or an empty one, which
+    vLLM's prefix cache treats as none too)."""
+    salt = getattr(request, "cache_salt", None)
+    if not salt:
+        return None
+    return salt if isinstance(salt, str) else str(salt)
 
 
 class SchedulerSide:
@@ -87,6 +105,9 @@ class SchedulerSide:
         # sliced loads planned and not yet reported finished by the workers
         self._loading: set[str] = set()
         self._cancels: list[str] = []
+        # request -> its key namespace (cache_salt), read when vLLM asks about the request and
+        # used when its prompt is planned for saving; a request missing here is never stored
+        self._salts: dict[str, str | None] = {}
         self.stats = ClaimStats()
 
     # -- claims ---------------------------------------------------------------------------
@@ -102,6 +123,11 @@ class SchedulerSide:
         tail)."""
         rid = request.request_id
         self._claims.pop(rid, None)
+        salt = request_salt(request)
+        if getattr(request, "lora_request", None) is not None:
+            self._salts.pop(rid, None)  # never stored: the keys do not know the adapter
+            return 0
+        self._salts[rid] = salt
         tokens = list(request.prompt_token_ids or [])
         config = request_config(
             self.settings.config,
@@ -120,7 +146,7 @@ class SchedulerSide:
         def held(segments: list) -> list[bool]:
             looked_up.extend(segments)
             spans = [(s.start, s.end) for s in segments]
-            return self._cached(segment_keys(self.fingerprint, tokens, spans))
+            return self._cached(segment_keys(self.fingerprint, tokens, spans, salt))
 
         hits = self.settings.separator.match(tokens, held)
         reused = sum(
@@ -147,6 +173,7 @@ class SchedulerSide:
             config=config if own else None,
             sliced=self.settings.blend_layers_per_step > 0
             and config.blend_selection in PREVIEW_SELECTIONS,
+            cache_salt=salt,
         )
         self.stats.claimed_requests += 1
         self.stats.claimed_tokens += claim
@@ -196,8 +223,12 @@ class SchedulerSide:
         self._loading.difference_update(meta.cancels)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id not in self._salts:
+                # never asked about (a LoRA request, or a path that skipped the connector):
+                # its namespace is unknown, so nothing of it is stored
+                continue
             tokens = list(new.prompt_token_ids or [])
-            tracked = _Tracked(tokens, list(new.block_ids[0]))
+            tracked = _Tracked(tokens, list(new.block_ids[0]), self._salts[new.req_id])
             self._tracked[new.req_id] = tracked
             self._plan(meta, new.req_id, tracked, new.num_computed_tokens, scheduled)
         cached = scheduler_output.scheduled_cached_reqs
@@ -211,7 +242,7 @@ class SchedulerSide:
                 # Preempted after its prompt was complete (tracking had ended), resumed, and
                 # claimed again: vLLM now counts the claimed tokens as computed, so they must be
                 # loaded into the new blocks, or decoding would read whatever those blocks held.
-                tracked = _Tracked(claim.token_ids)
+                tracked = _Tracked(claim.token_ids, cache_salt=claim.cache_salt)
                 self._tracked[rid] = tracked
                 logger.info("request %s resumed after preemption: blending its prompt again", rid)
             new_blocks = cached.new_block_ids[i]
@@ -235,7 +266,9 @@ class SchedulerSide:
             meta.loads.append(self._load_spec(rid, claim, tracked.token_ids, tracked.block_ids))
         if num_computed + scheduled.get(rid, 0) >= len(tracked.token_ids):
             # the prompt's K/V are complete after this step: store its segments, stop tracking
-            meta.saves.append(SaveSpec(rid, tracked.token_ids, list(tracked.block_ids)))
+            meta.saves.append(
+                SaveSpec(rid, tracked.token_ids, list(tracked.block_ids), tracked.cache_salt)
+            )
             self._tracked.pop(rid, None)
 
     @staticmethod
@@ -243,13 +276,27 @@ class SchedulerSide:
         rid: str, claim: _Claim, tokens: list[int], block_ids: list[int], sliced: bool = False
     ) -> LoadSpec:
         return LoadSpec(
-            rid, tokens, list(block_ids), claim.prefix_len, claim.end, claim.config, sliced
+            rid,
+            tokens,
+            list(block_ids),
+            claim.prefix_len,
+            claim.end,
+            claim.config,
+            sliced,
+            claim.cache_salt,
         )
+
+    def shutdown(self) -> None:
+        """The engine stops: close the lookups, removing each rank's index folder once its
+        worker has ended (vLLM may SIGKILL a worker that outlives the engine)."""
+        for lookup in self.lookups:
+            lookup.close(wait_s=2.0)
 
     def finished(self, request: Any) -> None:
         rid = request.request_id
         self._claims.pop(rid, None)
         self._tracked.pop(rid, None)
+        self._salts.pop(rid, None)
         # vLLM frees the blocks of a request aborted while loading only once a worker reports
         # it in finished_recving: a load not yet planned is planned and cancelled in one step
         # (workers start a step's loads before its cancels), one in flight is dropped by the

@@ -126,5 +126,12 @@ def main(args: argparse.Namespace, vllm_args: list[str]) -> int:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
-    vllm_main()
+    try:
+        vllm_main()
+    finally:
+        # vLLM SIGKILLs a worker that outlives its engine (SIGTERM to this process does): the
+        # worker's index folder is removed here, once its owner is gone (storage/index_dir.py)
+        from lmcache_backend.storage.index_dir import remove_orphans_of_default_dir
+
+        remove_orphans_of_default_dir()
     return 0

@@ -17,6 +17,8 @@ from typing import Any
 
 from lmcache_backend.blend.segmenting import SegmentPattern, segment_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
+from lmcache_backend.storage.index_dir import default_index_dir
+from lmcache_backend.storage.settings import store_settings
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,11 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
     except ValueError as exc:
         raise ConfigError(f"blend_special_str={config.blend_special_str!r}: {exc}") from exc
     instance_id = str(own.get("instance_id") or f"vllm-{kv.engine_id}")
+    try:  # it names the index folder: a plain name, checked now rather than in the worker
+        default_index_dir(instance_id)
+    except ValueError as exc:
+        raise ConfigError(f"instance_id={own.get('instance_id')!r}: {exc}") from None
+    store_settings(config)  # the store's extra_config keys (and the secret file), at start
     return ConnectorSettings(
         config=config,
         instance_id=instance_id,

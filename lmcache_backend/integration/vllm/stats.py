@@ -46,6 +46,9 @@ class BlendRecord:
     #: blend's own time only, ``blend_wall_ms`` from its start to its end
     blend_steps: int = 1
     blend_wall_ms: float = 0.0
+    #: the request had a ``cache_salt`` (it reused segments of that salt only); the salt itself
+    #: is never written: it may name a tenant
+    salted: bool = False
 
 
 def attention_fraction(computed: torch.Tensor, end: int, num_tokens: int) -> float:
@@ -116,6 +119,7 @@ class BlendStats:
             attention_fraction=attention_fraction(result.recomputed, spec.end, n),
             blend_steps=timing.steps,
             blend_wall_ms=timing.wall_s * 1000.0,
+            salted=spec.cache_salt is not None,
         )
         if self.profile:
             record.profile = phases

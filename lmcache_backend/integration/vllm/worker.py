@@ -16,7 +16,6 @@ request (each load brings its own settings), and the store.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
 
@@ -257,15 +256,14 @@ class WorkerSide:
         return [] if self.stats is None else self.stats.records
 
     def shutdown(self) -> None:
-        """Close the store; drop the index markers of tiers that die with this process."""
+        """Close the store and remove its index folder (the next start rebuilds it from the
+        tiers; a disk tier's files stay). vLLM may end a worker without calling this (SIGTERM):
+        the folder is then removed when the process exits, or by the next start
+        (:mod:`lmcache_backend.storage.index_dir`)."""
         store = self.store
         if store is None:
             return
         store.close()
         index = getattr(store, "index", None)
-        if index is not None and all(t.name in ("cpu", "device") for t in store.local_tiers):
-            index.clear()
-            try:
-                os.rmdir(index.folder)
-            except OSError:
-                pass
+        if index is not None and hasattr(index, "remove"):
+            index.remove()

@@ -76,12 +76,18 @@ def embedded_model_or_skip() -> str:
         pytest.skip(str(exc))
 
 
-def start_server(request, tmp_path, model_path: str, args: list[str]) -> ServerProcess:
-    """``lmcache-backend serve`` with ``args``, its stats file in ``tmp_path``; stopped when the
-    requesting fixture's scope ends."""
+def start_server(
+    request, tmp_path, model_path: str, args: list[str], env: dict | None = None
+) -> ServerProcess:
+    """``lmcache-backend serve`` with ``args`` (and ``env`` on top of the blend settings), its
+    stats file in ``tmp_path``; stopped when the requesting fixture's scope ends."""
     srv = ServerProcess(
         args,
-        env={"LMCACHE_BLEND_MIN_TOKENS": "32", "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15"},
+        env={
+            "LMCACHE_BLEND_MIN_TOKENS": "32",
+            "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15",
+            **(env or {}),
+        },
         stats_file=tmp_path / "blend.jsonl",
         log_path=tmp_path / "server.log",
         model=model_path,
