@@ -17,14 +17,14 @@ import triton.language as tl
 
 from lmcache_backend.ops import register
 
-from ._common import device_of, device_reason, float_dtype_reason, index_reason, interpret_mode
+from ._common import device_of, index_reason, interpret_mode
 from .attention import (
     _LOG2E,
     _attend_key_tile,
     _launch_config,
-    _pow2_head_dim,
     _query_rows,
     _store_rows,
+    verify_attention_at_positions,
 )
 
 
@@ -151,33 +151,26 @@ def verify_paged_attention_at_positions(
     q_positions: torch.Tensor,
     scale: float,
 ) -> str | None:
-    """Reason to leave a call to the reference, or ``None`` when the kernel serves it."""
+    """Reason to leave a call to the reference, or ``None`` when the kernel serves it: the
+    contiguous kernel's conditions on one block's rows (dtypes, heads, head dims, positions,
+    device), then the paged ones (a contiguous head dim, a block table covering the queries)."""
     if q.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:
         return "q must be [N, H, D] and the caches [num_blocks, block_size, H, D]"
-    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-        reason = float_dtype_reason(name, t)
-        if reason:
-            return reason
-    if not q.dtype == key_cache.dtype == value_cache.dtype:
-        return f"mixed dtypes q {q.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
     if key_cache.shape[:3] != value_cache.shape[:3]:
         return f"caches {tuple(key_cache.shape)} and {tuple(value_cache.shape)} disagree"
-    if q.shape[2] != key_cache.shape[3]:
-        return f"q head dim {q.shape[2]} differs from the cache's {key_cache.shape[3]}"
-    if key_cache.shape[2] == 0 or q.shape[1] % key_cache.shape[2]:
-        return f"{q.shape[1]} query heads are not a multiple of {key_cache.shape[2]} KV heads"
-    if not (_pow2_head_dim(q.shape[2]) and _pow2_head_dim(value_cache.shape[3])):
-        return "head dims are not powers of two in [16, 256]"
+    if key_cache.shape[0] == 0:
+        return "no blocks"
+    reason = verify_attention_at_positions(q, key_cache[0], value_cache[0], q_positions, scale)
+    if reason:
+        return reason
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         return "the caches' head dim is not contiguous"
-    reason = index_reason("q_positions", q_positions, q.shape[0]) or index_reason(
-        "block_table", block_table
-    )
+    reason = index_reason("block_table", block_table)
     if reason:
         return reason
     if q_positions.numel() and int(q_positions.max()) >= block_table.numel() * key_cache.shape[1]:
         return "q_positions reach past the block table"
-    return device_reason(q, key_cache, value_cache)
+    return None
 
 
 register(

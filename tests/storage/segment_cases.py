@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import logging
+import random
+import threading
+import time
 
 import pytest
 import torch
@@ -46,3 +49,43 @@ def entry_bytes(n: int = 3) -> int:
 
 def warnings_with(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
+
+
+def soak(stores: list, seconds: float, threads: int = 4, pool: int = 24) -> tuple[int, int, int]:
+    """Threads put/get overlapping segments, each operation on one of ``stores`` (engines
+    sharing a tier); returns (hits, puts, mismatches)."""
+    keys = [key_of(1000 + i) for i in range(pool)]
+    expected = {k: make_kv(k, n=1 + int(k[-2:], 16) % 6) for k in keys}
+    counts = {"hits": 0, "puts": 0, "bad": 0}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    deadline = time.monotonic() + seconds
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while time.monotonic() < deadline:
+                store = rng.choice(stores)
+                key = rng.choice(keys)
+                if rng.random() < 0.4:
+                    kv = expected[key]
+                    # a fresh tensor each time, as an engine would store it
+                    store.put(key, SegmentKV(kv.keys.clone(), kv.values.clone(), kv.start_position))
+                    with lock:
+                        counts["puts"] += 1
+                else:
+                    got = store.get(key)
+                    if got is not None:
+                        with lock:
+                            counts["hits"] += 1
+                            counts["bad"] += not same(got, expected[key])
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(s,)) for s in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    return counts["hits"], counts["puts"], counts["bad"]

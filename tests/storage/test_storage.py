@@ -6,11 +6,8 @@ import errno
 import json
 import logging
 import os
-import random
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ from segment_cases import (
     key_of,
     make_kv,
     same,
+    soak,
     warnings_with,
 )
 
@@ -441,44 +439,6 @@ def test_index_is_visible_from_another_process(tmp_path):
 # -- concurrency -----------------------------------------------------------------------------
 
 
-def soak(store, seconds: float, threads: int = 4, pool: int = 24) -> tuple[int, int, int]:
-    """Threads put/get overlapping segments; returns (hits, puts, mismatches)."""
-    keys = [key_of(1000 + i) for i in range(pool)]
-    expected = {k: make_kv(k, n=1 + int(k[-2:], 16) % 6) for k in keys}
-    counts = {"hits": 0, "puts": 0, "bad": 0}
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-    deadline = time.monotonic() + seconds
-
-    def work(seed: int) -> None:
-        rng = random.Random(seed)
-        try:
-            while time.monotonic() < deadline:
-                key = rng.choice(keys)
-                if rng.random() < 0.4:
-                    kv = expected[key]
-                    # a fresh tensor each time, as an engine would store it
-                    store.put(key, SegmentKV(kv.keys.clone(), kv.values.clone(), kv.start_position))
-                    with lock:
-                        counts["puts"] += 1
-                else:
-                    got = store.get(key)
-                    if got is not None:
-                        with lock:
-                            counts["hits"] += 1
-                            counts["bad"] += not same(got, expected[key])
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    workers = [threading.Thread(target=work, args=(s,)) for s in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    assert not errors, errors
-    return counts["hits"], counts["puts"], counts["bad"]
-
-
 def test_concurrent_soak_local_tiers(tmp_path):
     big = entry_bytes(n=6)
     tiers = [
@@ -487,7 +447,7 @@ def test_concurrent_soak_local_tiers(tmp_path):
         DiskTier(tmp_path / "disk", 12 * 3000, FP_HEX, LAYOUT),
     ]
     store = TieredStore(tiers, FileSegmentIndex(tmp_path / "index"))
-    hits, puts, bad = soak(store, seconds=2.0)
+    hits, puts, bad = soak([store], seconds=2.0)
     assert bad == 0
     assert hits > 100 and puts > 100
     assert all(t.nbytes <= t.max_bytes for t in tiers)

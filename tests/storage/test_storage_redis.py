@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import threading
 import time
 
 import pytest
 from redis_server import RedisServer
-from segment_cases import FP, FP_HEX, LAYOUT, OTHER_FP, key_of, make_kv, same, warnings_with
+from segment_cases import FP, FP_HEX, LAYOUT, OTHER_FP, key_of, make_kv, same, soak, warnings_with
 
 from lmcache_backend.config import load_config
 from lmcache_backend.models.fingerprint import ModelFingerprint
@@ -27,7 +26,6 @@ from lmcache_backend.storage import (
     serde,
 )
 from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier
-from lmcache_backend.storage.segments import SegmentKV
 
 
 def _tier(url: str, fp: ModelFingerprint = FP, **kw) -> RedisTier:
@@ -214,41 +212,9 @@ def test_concurrent_soak_with_shared_redis(server, tmp_path):
         return TieredStore(tiers, FileSegmentIndex(tmp_path / name))
 
     engines = [engine("a"), engine("b")]
-    keys = [key_of(1000 + i) for i in range(16)]
-    expected = {k: make_kv(k, n=1 + int(k[-2:], 16) % 6) for k in keys}
-    counts = {"hits": 0, "puts": 0, "bad": 0}
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-    deadline = time.monotonic() + 1.5
-
-    def work(seed: int) -> None:
-        rng = random.Random(seed)
-        try:
-            while time.monotonic() < deadline:
-                store = rng.choice(engines)
-                key = rng.choice(keys)
-                if rng.random() < 0.4:
-                    kv = expected[key]
-                    store.put(key, SegmentKV(kv.keys.clone(), kv.values.clone(), kv.start_position))
-                    with lock:
-                        counts["puts"] += 1
-                else:
-                    got = store.get(key)
-                    if got is not None:
-                        with lock:
-                            counts["hits"] += 1
-                            counts["bad"] += not same(got, expected[key])
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    workers = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    assert not errors, errors
-    assert counts["bad"] == 0
-    assert counts["hits"] > 50 and counts["puts"] > 50
+    hits, puts, bad = soak(engines, seconds=1.5, pool=16)
+    assert bad == 0
+    assert hits > 50 and puts > 50
     assert sum(e.stats()["hits"]["redis"] for e in engines) > 0
     for e in engines:
         e.close()
