@@ -117,6 +117,8 @@ class LayerStream:
         self._current = -1  # the layer last handed out (re-rotated and written)
         self._side = torch.cuda.Stream(device=model.device) if model.device.type == "cuda" else None
         self._every = torch.arange(shape[0], device=meta.positions.device)
+        # where each row was computed: the same for every layer
+        self._original = _original_positions(meta)
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_id``'s cached K/V ``[T, Hkv, D]``, re-rotated and written into the
@@ -132,8 +134,7 @@ class LayerStream:
             torch.cuda.current_stream(keys.device).wait_event(self._ready[slot])
         self.meta.timer.lap("load")
         _fill_prefix(keys, values, self.meta, layer_id)
-        original = _original_positions(self.meta)
-        _rerotate(keys.unsqueeze(0), original, self.meta, self.compute)
+        _rerotate(keys.unsqueeze(0), self._original, self.meta, self.compute)
         self.meta.timer.lap("rerotate")
         self.target.write_rows(layer_id, self._every, keys, values)
         self.meta.timer.lap("write-back")
