@@ -111,6 +111,8 @@ def attention_at_positions(
     v: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of selected queries over all keys with the exact per-position causal mask.
 
@@ -125,6 +127,8 @@ def attention_at_positions(
         ``[Nq, Hq, D]`` in ``q.dtype`` on ``q.device``: a query at position ``p`` attends keys
         ``0..p`` only.
     """
+    if window is not None:  # the verifier sends these to the torch reference
+        raise ValueError("attention_at_positions: the NPU path has no sliding window")
     num_q, num_heads, _ = q.shape
     out = torch.empty(num_q, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
     if num_q == 0:
@@ -138,9 +142,12 @@ def attention_at_positions(
 
 
 def verify_attention_at_positions(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, window: int | None = None, **kwargs
 ) -> str | None:
-    """Verifier for the op registry: only the device matters (other shapes run composed)."""
+    """Verifier for the op registry: the device matters (other shapes run composed), and a
+    sliding window goes to the torch reference."""
+    if window is not None:
+        return "no sliding window on the NPU path"
     return on_npu_reason(q, k, v)
 
 

@@ -153,8 +153,12 @@ def verify_attention_at_positions(
     v: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float = 1.0,
+    *,
+    window: int | None = None,
 ) -> str | None:
     """Why the tiled kernel cannot serve this ``attention_at_positions`` call, or None."""
+    if window is not None:
+        return "no sliding window in the tiled kernel"
     tensors = (q, k, v)
     if any(t.device.type != "cpu" for t in (*tensors, q_positions)):
         return "not CPU tensors"
@@ -187,9 +191,13 @@ def register_ops() -> None:
         v: torch.Tensor,
         q_positions: torch.Tensor,
         scale: float,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``q [N, Hq, D]`` at sorted ``q_positions [N]`` over ``k``/``v`` ``[T, Hkv, D]``,
         bf16 -> ``[N, Hq, D]`` bf16; the query at position ``p`` attends keys ``0..p``."""
+        if window is not None:  # the verifier sends these to the torch reference
+            raise ValueError("the tiled attention kernel has no sliding window")
         return kernel(q, q_positions, k, v, float(scale))
 
     register("cpu", "attention_at_positions", attention_at_positions, verify_attention_at_positions)

@@ -172,6 +172,7 @@ def attention_at_positions(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of selected queries over all keys with the exact per-position causal mask.
 
@@ -189,6 +190,8 @@ def attention_at_positions(
         ``[Nq, Hq, Dv]`` in ``q.dtype`` (``out`` when given): a query at position ``p`` attends
         keys ``0..p`` (fp32 softmax and accumulation; fp32 inputs use exact fp32 dots, not TF32).
     """
+    if window is not None:  # the verifier sends these to the torch reference
+        raise ValueError("attention_at_positions: the Triton kernel has no sliding window")
     num_q, num_heads, head_dim = q.shape
     num_k, num_kv_heads, head_dim_v = v.shape
     shape = (num_q, num_heads, head_dim_v)
@@ -247,8 +250,13 @@ def verify_attention_at_positions(
     v: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> str | None:
     """Reason to leave a call to the reference, or ``None`` when the kernel serves it."""
+    if window is not None:
+        return "no sliding window in the Triton kernel"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return "q, k, v must be 3-D [N, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -29,13 +29,16 @@ class PreviewMass:
         values: torch.Tensor,
         meta: BlendMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """One preview layer's attention ``[N, Hq, D]`` of the active tokens' ``q [N, Hq, D]``
         over the layer's blended ``keys``/``values`` ``[T, Hkv, D]``; adds the mass the query
-        tokens (and the last token alone) give each key, weighted by its value norm."""
+        tokens (and the last token alone) give each key, weighted by its value norm. ``window``:
+        the layer's sliding window, if it has one."""
         rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
         positions = meta.positions[meta.active]
-        attn, mass, last = attention_with_query_mass(q, keys, values, positions, scale, rows)
+        kw = {} if window is None else {"window": window}
+        attn, mass, last = attention_with_query_mass(q, keys, values, positions, scale, rows, **kw)
         norms = value_norms(values)
         self.query.addcmul_(mass, norms)
         if self.last is not None:

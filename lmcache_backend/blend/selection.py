@@ -125,7 +125,11 @@ SCORERS: dict[str, Callable[[CheckInputs], torch.Tensor]] = {
 
 
 def query_attention_mass(
-    q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention probability mass each key receives from the queries ``q``.
 
@@ -134,6 +138,7 @@ def query_attention_mass(
             whole prompt (row ``j`` is position ``j``), GQA when ``Hq`` is a multiple of ``Hkv``.
         q_positions: ``[Nq]`` positions of the queries; a query at ``p`` sees keys ``0..p``.
         scale: softmax scale.
+        window: a sliding window: the query at ``p`` sees keys ``p - window + 1 .. p`` only.
 
     Returns:
         ``[Nk]`` fp32: ``sum over heads and queries of softmax(q k^T * scale)`` (each query and
@@ -147,6 +152,8 @@ def query_attention_mass(
     logits = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
     key_pos = torch.arange(k.shape[0], device=k.device)
     mask = key_pos[None, :] > q_positions.to(k.device)[:, None]
+    if window is not None:
+        mask |= key_pos[None, :] <= q_positions.to(k.device)[:, None] - window
     logits = logits.masked_fill(mask[None], float("-inf"))
     return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
 
@@ -158,6 +165,7 @@ def attention_with_query_mass(
     q_positions: torch.Tensor,
     scale: float,
     query_rows: torch.Tensor,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact-mask attention and, from the same probabilities, the mass the query rows (and the
     last row alone) put on each key: the preview pass computes them at every layer, in one go.
@@ -167,6 +175,7 @@ def attention_with_query_mass(
             (row ``j`` is position ``j``; ``Hq`` a multiple of ``Hkv``).
         scale: softmax scale.
         query_rows: ``[M]`` int64 rows of ``q`` whose attention mass is summed.
+        window: a sliding window: the query at ``p`` sees keys ``p - window + 1 .. p`` only.
 
     Returns:
         ``([N, Hq, D]`` attention output in ``q.dtype``, ``[T]`` fp32 mass of the query rows,
@@ -199,6 +208,10 @@ def attention_with_query_mass(
     band = torch.arange(first, num_keys, device=k.device)
     future = band[None, :] > positions[:, None]  # [N, T - first]
     logits[..., first:].masked_fill_(future[None, :, None, :], float("-inf"))
+    if window is not None:  # keys that fell out of some query's window: before its last one
+        last = max(min(int(positions[-1]) - window + 1, num_keys), 0)
+        past = torch.arange(last, device=k.device)[None, :] <= positions[:, None] - window
+        logits[..., :last].masked_fill_(past[None, :, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     out = torch.bmm(probs.view(kv_heads, -1, num_keys).to(mm), vh)
     out = out.view(kv_heads, n, group, -1).permute(1, 0, 2, 3).reshape(n, num_heads, -1)

@@ -175,6 +175,8 @@ def attention_at_positions(
     v: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of selected queries over all keys with the exact per-position causal mask.
 
@@ -184,6 +186,8 @@ def attention_at_positions(
             ``Hq`` must be a multiple of ``Hkv`` (grouped-query attention).
         q_positions: ``[Nq]`` positions of the queries in ``[0, Nk)``.
         scale: softmax scale (usually ``D ** -0.5``).
+        window: a sliding window (keyword only): the query at ``p`` attends keys
+            ``p - window + 1 .. p`` (HF's and vLLM's convention); None: no window.
 
     Returns:
         ``[Nq, Hq, D]`` in ``q.dtype``; a query at position ``p`` attends keys ``0..p`` only
@@ -204,6 +208,8 @@ def attention_at_positions(
         stop = min(start + _ATTENTION_QUERY_BLOCK, num_q)
         qf = q[start:stop].float().transpose(0, 1).unsqueeze(0)
         mask = key_pos[None, :] <= positions[start:stop, None]
+        if window is not None:
+            mask &= key_pos[None, :] > positions[start:stop, None] - window
         res = F.scaled_dot_product_attention(
             qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=gqa
         )

@@ -177,10 +177,12 @@ def test_query_preview_is_closer_to_full_prefill_than_naive_reuse(llama) -> None
 
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
 @pytest.mark.parametrize("query_rows", [[4, 5, 6], [5, 6, 7]], ids=["middle", "tail"])
-def test_attention_with_query_mass_matches_the_separate_ops(heads, query_rows) -> None:
+@pytest.mark.parametrize("window", [None, 6], ids=["causal", "window6"])
+def test_attention_with_query_mass_matches_the_separate_ops(heads, query_rows, window) -> None:
     """The preview's fused op: the same output as the exact-mask attention reference and the
     same mass as query_attention_mass of the query rows (fp32 math, tolerance 1e-5), whether the
-    query rows are the last rows (the preview's case) or not."""
+    query rows are the last rows (the preview's case) or not, with or without a sliding
+    window."""
     from lmcache_backend.blend.selection import attention_with_query_mass, query_attention_mass
     from lmcache_backend.ops.reference import attention_at_positions
 
@@ -192,13 +194,19 @@ def test_attention_with_query_mass_matches_the_separate_ops(heads, query_rows) -
     k = torch.randn(t, hkv, 16, generator=g)
     v = torch.randn(t, hkv, 16, generator=g)
     rows = torch.tensor(query_rows)
-    out, mass, last = attention_with_query_mass(q, k, v, positions, 0.25, rows)
-    torch.testing.assert_close(out, attention_at_positions(q, k, v, positions, 0.25))
-    expected = query_attention_mass(q[rows], k, positions[rows], 0.25)
+    out, mass, last = attention_with_query_mass(q, k, v, positions, 0.25, rows, window)
+    kw = {} if window is None else {"window": window}
+    torch.testing.assert_close(out, attention_at_positions(q, k, v, positions, 0.25, **kw))
+    expected = query_attention_mass(q[rows], k, positions[rows], 0.25, window)
     torch.testing.assert_close(mass, expected)
-    torch.testing.assert_close(last, query_attention_mass(q[-1:], k, positions[-1:], 0.25))
+    last_alone = query_attention_mass(q[-1:], k, positions[-1:], 0.25, window)
+    torch.testing.assert_close(last, last_alone)
     if query_rows == [4, 5, 6]:
         assert float(mass[39]) == 0.0  # after every query row's position (33, 37, 38)
+    if window is not None:  # before every query row's window (33 - 6 + 1 = 28 the first seen)
+        first = int(positions[rows[0]]) - window + 1
+        assert float(mass[:first].abs().sum()) == 0.0 and float(mass[first]) > 0
+        assert float(last[: 39 - window + 1].abs().sum()) == 0.0
     # every query row and head contributes one distribution
     assert abs(float(mass.sum()) - len(rows) * hq) < 1e-4
 

@@ -110,15 +110,53 @@ def test_deviation_topk_picks_largest_and_all_invalid() -> None:
     ]
 
 
-def _attention_brute_force(q, k, v, positions, scale):
+def _attention_brute_force(q, k, v, positions, scale, window=None):
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
     group = q.shape[1] // k.shape[1]
     for i, p in enumerate(positions.tolist()):
+        first = 0 if window is None else max(p - window + 1, 0)
         for h in range(q.shape[1]):
-            keys = k[: p + 1, h // group].double()
+            keys = k[first : p + 1, h // group].double()
             scores = keys @ q[i, h].double() * scale
-            out[i, h] = torch.softmax(scores, 0) @ v[: p + 1, h // group].double()
+            out[i, h] = torch.softmax(scores, 0) @ v[first : p + 1, h // group].double()
     return out
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 64])
+def test_attention_window_matches_brute_force(window) -> None:
+    """A sliding window: the query at ``p`` attends keys ``p - window + 1 .. p``."""
+    torch.manual_seed(4)
+    nk, d = 50, 16
+    k, v = torch.randn(nk, 2, d), torch.randn(nk, 2, d)
+    positions = torch.tensor([0, 3, 17, 18, 49])
+    q = torch.randn(positions.numel(), 4, d)
+    out = attention_at_positions(q, k, v, positions, 0.25, window=window)
+    expected = _attention_brute_force(q, k, v, positions, 0.25, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    if window < nk:
+        assert not torch.allclose(out, attention_at_positions(q, k, v, positions, 0.25))
+
+
+def test_kernels_leave_a_window_to_the_reference() -> None:
+    """The CPU, Triton and NPU kernels have no sliding window: their verifiers decline a call
+    with one (the registry then runs the reference), and accept the same call without."""
+    from lmcache_backend.backends.ascend import attention as ascend
+    from lmcache_backend.backends.cpu import tiled_attention as cpu
+
+    q = torch.zeros(2, 4, 32, dtype=torch.bfloat16)
+    k = torch.zeros(6, 2, 32, dtype=torch.bfloat16)
+    positions = torch.tensor([3, 5])
+    verifiers = [cpu.verify_attention_at_positions, ascend.verify_attention_at_positions]
+    try:
+        from lmcache_backend.backends.cuda import attention as cuda
+
+        verifiers.append(cuda.verify_attention_at_positions)
+    except ImportError:  # no Triton here
+        pass
+    for verify in verifiers:
+        reason = verify(q, k, k, positions, 1.0, window=4)
+        assert reason is not None and "sliding window" in reason
+    assert cpu.verify_attention_at_positions(q, k, k, positions, 1.0) is None
 
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (9, 3), (8, 1)], ids=["mha", "gqa3", "gqa8"])
