@@ -56,14 +56,18 @@ def _rerotate(
     original: torch.Tensor,
     meta: BlendMetadata,
     compute: BlendCompute,
+    layer_ids: list[int] | None = None,
 ) -> None:
-    """Turn the rows of ``keys`` (``[L, T, Hkv, D]``) computed at ``original [T]`` positions
-    to ``meta.positions``, in place."""
+    """Turn the rows of ``keys`` (``[L', T, Hkv, D]``: layers ``layer_ids``, default every
+    layer) computed at ``original [T]`` positions to ``meta.positions``, in place; each layer
+    with its own rotation table (one call per distinct table)."""
     model, ops = compute.model, compute.ops
     layers, num_tokens, heads, dim = keys.shape
+    layer_ids = list(range(layers)) if layer_ids is None else layer_ids
     moved = meta.valid_mask & (original != meta.positions)
+    groups = model.rotation_groups()
     adapter_op = model.rope_rerotate_k  # the engine's own kernel, if it has one
-    if adapter_op is not None and not ops.native("rope_rerotate_k"):
+    if adapter_op is not None and len(groups) == 1 and not ops.native("rope_rerotate_k"):
         if bool(moved.any()):
             # every row of every layer at once; a row that did not move turns by angle 0
             old = torch.where(moved, original, meta.positions)
@@ -74,18 +78,32 @@ def _rerotate(
             )
         return
     rows = torch.nonzero(moved, as_tuple=False).flatten()
-    if rows.numel():
-        # one call for all layers: a token's angle does not depend on the layer, so the
-        # layers are extra heads of a [M, L * Hkv, D] view
-        picked = keys[:, rows].transpose(0, 1).contiguous()
+    if rows.numel() == 0:
+        return
+    where = {layer: i for i, layer in enumerate(layer_ids)}
+    for table, group in groups:
+        picked_layers = [where[layer] for layer in group if layer in where]
+        if not picked_layers:
+            continue
+        # one call per table: a token's angle does not depend on the layer, so the layers
+        # are extra heads of a [M, L * Hkv, D] view
+        if len(picked_layers) == layers:  # every layer: plain row indexing
+            index = slice(None)
+            picked = keys[:, rows].transpose(0, 1).contiguous()
+        else:
+            index = torch.tensor(picked_layers, device=keys.device)[:, None]
+            picked = keys[index, rows[None, :]].transpose(0, 1).contiguous()
         ops.rope_rerotate_k(
-            picked.view(rows.numel(), layers * heads, dim),
+            picked.view(rows.numel(), len(picked_layers) * heads, dim),
             original[rows],
             meta.positions[rows],
-            model.cos_sin_cache,
+            table,
             model.is_neox,
         )
-        keys[:, rows] = picked.transpose(0, 1)
+        if isinstance(index, slice):
+            keys[:, rows] = picked.transpose(0, 1)
+        else:
+            keys[index, rows[None, :]] = picked.transpose(0, 1)
 
 
 class LayerStream:
@@ -134,7 +152,7 @@ class LayerStream:
             torch.cuda.current_stream(keys.device).wait_event(self._ready[slot])
         self.meta.timer.lap("load")
         _fill_prefix(keys, values, self.meta, layer_id)
-        _rerotate(keys.unsqueeze(0), self._original, self.meta, self.compute)
+        _rerotate(keys.unsqueeze(0), self._original, self.meta, self.compute, [layer_id])
         self.meta.timer.lap("rerotate")
         self.target.write_rows(layer_id, self._every, keys, values)
         self.meta.timer.lap("write-back")

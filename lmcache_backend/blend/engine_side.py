@@ -73,11 +73,15 @@ class KVTarget:
         scale: float,
         keys: torch.Tensor | None,
         values: torch.Tensor | None,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``q [N, Hq, D]`` at sorted ``positions [N]`` over the written keys ``0..p`` of each
         query -> ``[N, Hq, D]``. ``keys``/``values`` ``[T, Hkv, D]``: the same rows as the
         layer's written ones, contiguous (a target may attend over them instead); None for a
-        target that ``streams_layers``."""
+        target that ``streams_layers``. ``window``: the layer's sliding window (keys
+        ``p - window + 1 .. p``), passed only for a model whose layer has one (the vLLM
+        adapter's models have none)."""
         raise NotImplementedError(f"{type(self).__name__} is not a paged target")
 
     def forward_rows(

@@ -128,6 +128,7 @@ def _accumulate_query_attention(
         current,
         meta.positions[meta.active[query_rows]],
         compute.model.attn_scale,
+        compute.model.sliding_window(layer_id),
     )
     meta.query_attention = mass if meta.query_attention is None else meta.query_attention + mass
 

@@ -18,6 +18,7 @@ from lmcache_backend.blend.engine_side import KVTarget
 from lmcache_backend.blend.layer_blend import blend_layer_kv
 from lmcache_backend.blend.preview_mass import PreviewMass
 from lmcache_backend.blend.request import BlendMetadata
+from lmcache_backend.models.base import window_kwargs
 
 #: profile names of each layer kind's phases
 _PHASE_NAMES = {
@@ -114,12 +115,17 @@ def run_layers(
         elif not output and mass is None:  # its K/V are written; nothing reads more
             hidden = None
         else:
+            window = window_kwargs(model, layer)
             if mass is not None:  # the preview: attention and the query's mass at once
-                attn = mass.attend(q, keys, values, meta, model.attn_scale)
-            elif paged:
-                attn = target.attention(layer, q, positions, model.attn_scale, keys, values)
+                attn = mass.attend(q, keys, values, meta, model.attn_scale, **window)
+            elif paged:  # a window goes to the target only for a sliding-window layer
+                attn = target.attention(
+                    layer, q, positions, model.attn_scale, keys, values, **window
+                )
             else:
-                attn = ops.attention_at_positions(q, keys, values, positions, model.attn_scale)
+                attn = ops.attention_at_positions(
+                    q, keys, values, positions, model.attn_scale, **window
+                )
             timer.lap(attention)
             if output:
                 hidden = hidden + model.attention_output(layer, attn)

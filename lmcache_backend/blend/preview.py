@@ -108,7 +108,7 @@ def _engine_preview(
         timer.lap("preview: engine forward")
         q, keys, values, _, _ = blend_layer_kv(q, k, v, None, layer, None, preview, compute)
         timer.lap("select and blend")
-        attn = mass.attend(q, keys, values, preview, scale)
+        attn = mass.attend(q, keys, values, preview, scale, compute.model.sliding_window(layer))
         timer.lap("preview: attention")
         return attn
 

@@ -21,6 +21,11 @@ import torch
 from lmcache_backend.models.fingerprint import ModelFingerprint
 
 
+class UnsupportedModelError(ValueError):
+    """A model the blender cannot reproduce exactly; the message is one line naming the model
+    type and what is missing (the command line prints it as it is)."""
+
+
 class ModelAdapter(ABC):
     """One loaded decoder-only model seen layer by layer.
 
@@ -28,10 +33,13 @@ class ModelAdapter(ABC):
         num_layers, num_heads, num_kv_heads, head_dim: the attention geometry.
         attn_scale: softmax scale of the attention.
         cos_sin_cache: ``[max_pos, R]`` fp32 rotation table (``R/2`` cosines, then ``R/2`` sines,
-            without any attention scaling) used to re-rotate cached keys.
+            without any attention scaling) used to re-rotate cached keys; a model whose layers
+            rotate differently (Gemma 3: local and global RoPE bases) gives each layer's table
+            through :meth:`rotation_table`, and this is layer 0's.
         is_neox: RoPE pairing (True: split halves, False: interleaved).
         max_exact_tokens: longest prompt the blender's full attention reproduces exactly
-            (a sliding window shorter than the prompt would make it differ), or None.
+            (a sliding window the adapter does not report per layer, shorter than the prompt,
+            would make it differ), or None.
         rope_rerotate_k: the engine's own re-rotation kernel, with the signature
             ``(k [N, H, D], old_positions [N], new_positions [N])`` (in place), or None: the op
             registry's ``rope_rerotate_k`` turns the keys.
@@ -85,6 +93,45 @@ class ModelAdapter(ABC):
     @abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[N, hidden] -> [N, vocab]`` (fp32)."""
+
+    def sliding_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention: a query at position ``p`` sees keys
+        ``p - window + 1 .. p`` (``window`` keys, itself included); None: keys ``0..p``."""
+        return None
+
+    def rotation_table(self, layer: int) -> torch.Tensor:
+        """``layer``'s rotation table (the layout of ``cos_sin_cache``)."""
+        return self.cos_sin_cache
+
+    def rotation_groups(self) -> list[tuple[torch.Tensor, list[int]]]:
+        """The distinct rotation tables, each with the layers (ascending) that use it: one
+        group holding every layer for a model with one RoPE."""
+        groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for layer in range(self.num_layers):
+            table = self.rotation_table(layer)
+            groups.setdefault(id(table), (table, []))[1].append(layer)
+        return list(groups.values())
+
+    def layer_kinds(self) -> list[tuple[str, int]]:
+        """One ``(description, layer)`` per distinct attention kind (rotation table and
+        window), its first layer: what a check of every kind of layer runs on."""
+        kinds: dict[tuple[int, int | None], int] = {}
+        for layer in range(self.num_layers):
+            kinds.setdefault((id(self.rotation_table(layer)), self.sliding_window(layer)), layer)
+        if len(kinds) == 1:
+            return [("", 0)]
+        out = []
+        for (_, window), layer in kinds.items():
+            kind = f"window {window}" if window is not None else "global"
+            out.append((f"layer {layer}, {kind}", layer))
+        return out
+
+
+def window_kwargs(model: ModelAdapter, layer: int) -> dict[str, int]:
+    """``{"window": w}`` for an attention op call of a sliding-window layer, else ``{}`` (so the
+    ops of a model without windows are called exactly as before)."""
+    window = model.sliding_window(layer)
+    return {} if window is None else {"window": window}
 
 
 def sliding_window_span(config) -> int | None:
