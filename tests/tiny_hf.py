@@ -1,6 +1,6 @@
-"""Tiny random-weight HF models (Llama, Mistral, Qwen2, Qwen3; fp32) and RAG-shaped prompts of
-random token ids, ``sys + SEP + c1 + SEP + c2 + SEP + c3 + SEP + question``, with a blender over
-an in-memory store: what the blend tests build on."""
+"""Tiny random-weight HF models (Llama, Mistral, Qwen2, Qwen3, Gemma 3; fp32) and RAG-shaped
+prompts of random token ids, ``sys + SEP + c1 + SEP + c2 + SEP + c3 + SEP + question``, with a
+blender over an in-memory store: what the blend tests build on."""
 
 from __future__ import annotations
 
@@ -17,9 +17,26 @@ SEP = [5, 6]
 VOCAB = 256
 
 
+#: Gemma 3 layer kinds: sliding-window layers (a window far shorter than the prompts) with the
+#: local RoPE base, global layers with another base and linear scaling; q/k norms; a head dim
+#: that is not hidden / heads; a softmax scale that is not head_dim ** -0.5
+GEMMA3_WINDOW = 16
+GEMMA3 = dict(
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    sliding_window=GEMMA3_WINDOW,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    },
+)
+
+
 def tiny_model(kind: str) -> torch.nn.Module:
     from transformers import (
         AutoModelForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         Qwen2Config,
@@ -40,10 +57,11 @@ def tiny_model(kind: str) -> torch.nn.Module:
         "mistral": lambda: MistralConfig(**common, sliding_window=None),
         "qwen2": lambda: Qwen2Config(**common),
         "qwen3": lambda: Qwen3Config(**common, head_dim=16),
+        "gemma3": lambda: Gemma3TextConfig(**common, **GEMMA3),
     }[kind]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # random init leaves the q/k norms at 1: perturb them so Qwen3's norm path is exercised
+    # random init leaves the norms at 1 (Gemma: 1 + 0): perturb them so every norm path is exercised
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data += 0.1 * torch.randn_like(param)

@@ -51,9 +51,12 @@ class StreamingPagedKV(KVTarget):
         k_cache, v_cache = self.caches[layer_id]
         self.ops.paged_kv_write(keys, values, k_cache, v_cache, self._slots(rows))
 
-    def attention(self, layer_id, q, positions, scale, keys, values) -> torch.Tensor:
+    def attention(self, layer_id, q, positions, scale, keys, values, window=None) -> torch.Tensor:
         self.calls["attention"] += 1
         k_cache, v_cache = self.caches[layer_id]
+        if window is not None:  # a sliding-window layer: the reference over the rows read back
+            keys, values = self.rows(layer_id, int(positions.max()) + 1)
+            return self.ops.attention_at_positions(q, keys, values, positions, scale, window=window)
         return self.ops.paged_attention_at_positions(
             q, k_cache, v_cache, self.table, positions, scale
         )
@@ -96,6 +99,25 @@ def test_streamed_blend_leaves_the_layerwise_blends_rows(llama, selection, backe
         keys, values = target.rows(layer, end)
         assert keys.device.type == DEVICE
         assert not torch.isnan(keys).any(), f"layer {layer}: a row was never written"
+        torch.testing.assert_close(keys, reference.keys[layer][:end], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(values, reference.values[layer][:end], rtol=1e-4, atol=1e-4)
+
+
+def test_streamed_gemma3_blend_rerotates_each_layer_with_its_table() -> None:
+    """Gemma 3: each streamed layer is re-rotated with its own table (local or global RoPE) and
+    its sliding window reaches the target; the rows equal the layer-by-layer blend's."""
+    model = tiny_model("gemma3").to(DEVICE)
+    blender, cache = setup_blender(model, ratios=(0.3,), selection="query_preview_last")
+    warm_store(model, cache, rag_prompt(SYS, C1, C2, C3, Q1))
+    tokens = rag_prompt(SYS, C3, C1, C2, Q2)
+    end = len(tokens) - len(Q2)
+    reference = blender.blend(tokens, compute_end=end)
+    target = StreamingPagedKV(blender.model, len(tokens), get_ops("torch"))
+    blender.gpu_connector = target
+    streamed = blender.blend(tokens, compute_end=end)
+    assert streamed.blended and torch.equal(streamed.recomputed, reference.recomputed)
+    for layer in range(blender.model.num_layers):
+        keys, values = target.rows(layer, end)
         torch.testing.assert_close(keys, reference.keys[layer][:end], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(values, reference.values[layer][:end], rtol=1e-4, atol=1e-4)
 

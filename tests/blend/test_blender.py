@@ -1,4 +1,4 @@
-"""The blender on tiny random-weight Llama / Mistral / Qwen2 / Qwen3 models (fp32).
+"""The blender on tiny random-weight Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 models (fp32).
 
 Prompts are ``sys + SEP + c1 + SEP + c2 + SEP + c3 + SEP + question`` of random token ids; the
 store is warmed with a full prefill of one order, then another order is blended.
@@ -28,9 +28,10 @@ from tiny_hf import (
 from lmcache_backend.blend import KVTarget, LMCBlender, LMCBlenderBuilder
 from lmcache_backend.config import SELECTION_CHOICES
 from lmcache_backend.integration.hf.engine import hf_full_prefill, kv_to_dynamic_cache
+from lmcache_backend.models.base import window_kwargs
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def tiny(request):
     return request.param, tiny_model(request.param)
 
@@ -99,7 +100,7 @@ def test_reordered_naive_reuse_rerotates(tiny) -> None:
         warm.keys[layer][c1_old : c1_old + n].clone(),
         torch.arange(c1_old, c1_old + n),
         torch.arange(c1_new, c1_new + n),
-        adapter.cos_sin_cache,
+        adapter.rotation_table(layer),
         adapter.is_neox,
     )
     torch.testing.assert_close(result.keys[layer][c1_new : c1_new + n], expected)
@@ -332,14 +333,14 @@ class _EngineKV(KVTarget):
         self.keys[layer_id][rows] = keys
         self.values[layer_id][rows] = values
 
-    def attention(self, layer_id, q, positions, scale, keys=None, values=None):
+    def attention(self, layer_id, q, positions, scale, keys=None, values=None, **window):
         self.events.append("attention")
         # the contiguous K/V handed over for a tiled kernel: the rows the queries may read
         end = int(positions.max()) + 1 if positions.numel() else 0
         assert keys is not None and torch.equal(keys[:end], self.keys[layer_id][:end])
         assert torch.equal(values[:end], self.values[layer_id][:end])
         keys, values = self.keys[layer_id], self.values[layer_id]
-        return self.ops.attention_at_positions(q, keys, values, positions, scale)
+        return self.ops.attention_at_positions(q, keys, values, positions, scale, **window)
 
     def forward_rows(self, rows, token_ids, positions, kv=None):
         self.events.append("forward")
@@ -356,7 +357,12 @@ class _EngineKV(KVTarget):
             q, k, v = model.qkv(layer, model.attention_input(layer, hidden), positions)
             self.keys[layer][rows], self.values[layer][rows] = k, v
             attn = self.ops.attention_at_positions(
-                q, self.keys[layer], self.values[layer], positions, model.attn_scale
+                q,
+                self.keys[layer],
+                self.values[layer],
+                positions,
+                model.attn_scale,
+                **window_kwargs(model, layer),
             )
             hidden = model.mlp_block(layer, hidden + model.attention_output(layer, attn))
 

@@ -57,9 +57,13 @@ class Generation:
 def hf_full_prefill(model: torch.nn.Module, token_ids: Sequence[int]) -> Prefill:
     """``model``'s own forward pass over ``token_ids``: last-token logits and per-layer
     ``[T, Hkv, D]`` K/V read from its cache."""
+    from transformers import DynamicCache
+
     start = time.perf_counter()
     ids = torch.tensor([list(token_ids)], device=model.device)
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    # a cache without the model's config keeps every row of every layer: one built from it
+    # keeps only the last window of a sliding-window layer (Gemma 3), and every row is stored
+    out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1].float()
     logits.argmax()
     ttft = time.perf_counter() - start
@@ -85,7 +89,7 @@ class HFBlendEngine:
     """Full and blended prefill plus greedy decoding for one HF model.
 
     Args:
-        model: a ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3).
+        model: a ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
         tokenizer: its tokenizer.
         config: CacheBlend settings (default: :func:`load_config` with blending enabled).
         store: the segment store (default: the tiers the configuration enables, see
