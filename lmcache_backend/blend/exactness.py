@@ -1,8 +1,9 @@
 """Is CacheBlend exact on a model adapter? The checks behind ``lmcache-backend verify``.
 
-* **re-rotation**: layer-0 keys computed at positions ``p`` and re-rotated to ``p + s`` against
-  keys computed at ``p + s`` (relative error). A RoPE scaling the re-rotation mishandles shows
-  up here (e.g. YaRN's attention factor applied twice);
+* **re-rotation**: keys computed at positions ``p`` and re-rotated to ``p + s`` against keys
+  computed at ``p + s`` (relative error), on layer 0, or on the first layer of each kind where
+  layers differ (Gemma 3's local and global layers, each with its RoPE table). A RoPE scaling
+  the re-rotation mishandles shows up here (e.g. YaRN's attention factor applied twice);
 * **ratio 1.0**: recomputing every token must give full prefill's first token (maximum logit
   difference and greedy agreement);
 * **default ratio**: the configured setting reuses the chunks (it blended, nothing fell back);
@@ -111,26 +112,35 @@ def builtin_prompts(tokenizer: Any, count: int = 4, separator: str | None = None
 
 
 @torch.inference_mode()
-def rerotation_error(adapter: Any, token_ids: Sequence[int], shift: int = 97, ops=None) -> float:
-    """Relative error of layer-0 keys of ``token_ids`` re-rotated from positions ``0..n-1`` to
-    ``shift..shift+n-1`` against the keys the adapter computes there."""
+def rerotation_error(
+    adapter: Any, token_ids: Sequence[int], shift: int = 97, ops=None, layer: int = 0
+) -> float:
+    """Relative error of ``layer``'s keys of ``token_ids`` re-rotated from positions ``0..n-1``
+    to ``shift..shift+n-1`` (with the layer's rotation table) against the keys the adapter
+    computes there."""
     ops = ops or get_ops("torch")
     ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
-    x = adapter.attention_input(0, adapter.embed(ids))
+    x = adapter.attention_input(layer, adapter.embed(ids))
     old = torch.arange(ids.numel(), device=adapter.device)
     new = old + shift
-    _, k_old, _ = adapter.qkv(0, x, old)
-    _, k_new, _ = adapter.qkv(0, x, new)
+    _, k_old, _ = adapter.qkv(layer, x, old)
+    _, k_new, _ = adapter.qkv(layer, x, new)
     moved = k_old.clone()
-    ops.rope_rerotate_k(moved, old, new, adapter.cos_sin_cache, adapter.is_neox)
+    ops.rope_rerotate_k(moved, old, new, adapter.rotation_table(layer), adapter.is_neox)
     diff = (moved.double() - k_new.double()).norm()
     return float(diff / k_new.double().norm().clamp_min(1e-30))
 
 
-def rerotation_check(adapter: Any, token_ids: Sequence[int], ops=None) -> Check:
-    err = rerotation_error(adapter, token_ids, ops=ops)
+def rerotation_checks(adapter: Any, token_ids: Sequence[int], ops=None) -> list[Check]:
+    """One re-rotation check per kind of layer (rotation table and window: Gemma 3's local and
+    global layers), on its first layer; one check of layer 0 for a model with one kind."""
     limit = REROTATION_TOLERANCE[tolerance_dtype(adapter.dtype)]
-    return Check("re-rotation error", f"{err:.2e}", f"{limit:.0e}", bool(err <= limit))
+    checks = []
+    for kind, layer in adapter.layer_kinds():
+        err = rerotation_error(adapter, token_ids, ops=ops, layer=layer)
+        name = f"re-rotation error ({kind})" if kind else "re-rotation error"
+        checks.append(Check(name, f"{err:.2e}", f"{limit:.0e}", bool(err <= limit)))
+    return checks
 
 
 def agreement_checks(
@@ -197,7 +207,7 @@ def adapter_checks(
     full_cfg = cfg.replace(blend_recompute_ratios=[1.0])
     blender = LMCBlender(store, None, cfg, adapter, separator, ops)
     segments = SegmentCache(store, adapter.fingerprint, separator)
-    checks = [rerotation_check(adapter, prompts[0][1], ops)]
+    checks = rerotation_checks(adapter, prompts[0][1], ops)
     stats = {
         k: {"diffs": [], "agree": 0, "fallbacks": [], "fractions": []}
         for k in ("ratio 1.0", "default")

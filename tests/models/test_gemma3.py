@@ -195,3 +195,62 @@ def test_unreproducible_layers_are_refused_in_one_line(gemma) -> None:
     rope = {**gemma.config.rope_parameters, "full_attention": {"rope_type": "dynamic"}}
     assert "'dynamic' RoPE on full_attention layers" in _refusal(gemma, rope_parameters=rope)
     assert "model_type 'gemma3'" in _refusal(gemma, model_type="gemma3")
+
+
+def test_verify_prints_the_refusal(gemma, tmp_path, capsys) -> None:
+    """``lmcache-backend verify`` on a refused model: the one line, exit code 2."""
+    import shutil
+
+    from lmcache_backend.cli import main
+    from lmcache_backend.data.embedded import embedded_model_path
+
+    source = embedded_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    gemma.config.attn_logit_softcapping = 50.0
+    try:
+        gemma.save_pretrained(tmp_path)
+    finally:
+        gemma.config.attn_logit_softcapping = None
+    assert main(["verify", str(tmp_path), "--prompts", "1"]) == 2
+    err = capsys.readouterr().err  # transformers' progress bars, then the refusal
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lmcache-backend verify: ") and "attention logit softcapping" in last
+
+
+def test_verify_checks_every_layer_kind(tmp_path, capsys) -> None:
+    """``lmcache-backend verify`` on a tiny Gemma 3 with the embedded tokenizer: it passes, and
+    re-rotation is checked on a local and a global layer."""
+    import json
+    import shutil
+
+    from tiny_hf import GEMMA3
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from lmcache_backend.cli import main
+    from lmcache_backend.data.embedded import embedded_model_path
+
+    source = embedded_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, tmp_path / name)
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    config = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        **GEMMA3,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    assert main(["verify", str(tmp_path), "--prompts", "1", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out, out
+    assert f"PASS  re-rotation error (layer 0, window {GEMMA3_WINDOW})" in out, out
+    assert "PASS  re-rotation error (layer 2, global)" in out, out
+    assert "PASS  ratio 1.0: max first-token logit difference" in out, out
