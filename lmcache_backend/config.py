@@ -128,10 +128,17 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         'separator string between segments; "" finds chunks without one (blend_block_size)',
     ),
     ConfigKey(
+        "blend_segmentation",
+        str,
+        "auto",
+        "how prompts are cut into cached units: auto (around blend_special_str when the prompt "
+        "holds it, else in blocks), separator (LMCache's: the separator only) or blocks",
+    ),
+    ConfigKey(
         "blend_block_size",
         _parse_int,
         16,
-        "tokens per block when blend_special_str is empty (separator-free reuse)",
+        "tokens per block of separator-free reuse (blend_segmentation auto or blocks)",
     ),
     ConfigKey(
         "blend_recompute_ratios",
@@ -159,6 +166,13 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "preview selections choose aligned spans of this many consecutive tokens (1: tokens)",
     ),
     ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
+    ConfigKey(
+        "blend_max_cost",
+        float,
+        0.6,
+        "a prompt whose predicted blend costs more than this share of a full prefill's "
+        "token-layers is left to the engine (1: blend whenever anything is reused)",
+    ),
     ConfigKey("backend", str, "auto", "op backend: auto, torch, cpu, cuda or ascend"),
     ConfigKey("use_layerwise", _parse_bool, True, "LMCache key; blending is always layerwise"),
     ConfigKey("local_cpu", _parse_bool, True, "keep segments in CPU memory"),
@@ -205,6 +219,9 @@ class BlendConfig:
 
     enable_blending: bool = False
     blend_special_str: str = " # # "
+    # Stock RAG prompts (LangChain, LlamaIndex) hold no separator: auto finds their chunks in
+    # blocks and keeps whole-chunk reuse for prompts that mark chunks (docs/frameworks.md).
+    blend_segmentation: str = "auto"
     blend_block_size: int = 16
     # Defaults: the best measured trade-off within 25% of token-layers (docs/quality.md).
     # LMCache's behaviour: blend_selection=kv_deviation with LMCache's ratios and check layers.
@@ -218,6 +235,9 @@ class BlendConfig:
     # once): docs/measurements/spans.md.
     blend_selection_span: int = 1
     blend_min_tokens: int = 256
+    # Measured blends cost about their token-layer share of a full prefill plus a few percent
+    # (lookup, load, write-back): 0.6 keeps every claimed request well below 1x (blend/pays.py).
+    blend_max_cost: float = 0.6
     backend: str = "auto"
     use_layerwise: bool = True
     local_cpu: bool = True
@@ -282,6 +302,16 @@ class BlendConfig:
             )
         if self.blend_min_tokens < 0:
             raise self._fail("blend_min_tokens", self.blend_min_tokens, "must be >= 0")
+        if not (math.isfinite(self.blend_max_cost) and self.blend_max_cost > 0):
+            raise self._fail(
+                "blend_max_cost", self.blend_max_cost, "must be a finite number > 0 (a share)"
+            )
+        if self.blend_segmentation not in ("auto", "separator", "blocks"):
+            raise self._fail(
+                "blend_segmentation",
+                self.blend_segmentation,
+                "choose one of auto, separator, blocks",
+            )
         if self.blend_block_size < 1:
             raise self._fail("blend_block_size", self.blend_block_size, "must be >= 1 (tokens)")
         if self.backend not in BACKEND_CHOICES:

@@ -51,9 +51,13 @@ PHASES = (
 )
 
 
-def _prompts(tok, size: int, rounds: int, separator: str):
-    """The warm-up prompt and ``rounds`` reordered prompts with new questions, ~``size`` tokens."""
-    from lmcache_backend.blend.segmenting import build_blend_prompt
+def _prompts(tok, size: int, rounds: int, separator: str, shape: str = "separator"):
+    """The warm-up prompt and ``rounds`` reordered prompts with new questions, ~``size`` tokens.
+
+    ``shape``: ``separator`` puts ``separator`` before every chunk and the question;
+    ``stock`` is LangChain's stock RAG prompt (the chunks joined by blank lines in the system
+    message, the question alone in the user message), with no separator."""
+    from lmcache_backend.blend.segmenting import build_blend_prompt, stock_rag_prompt
     from lmcache_backend.data.examples import builtin_examples, reordered
 
     per_k = max(1, round(size / 1000))
@@ -64,6 +68,8 @@ def _prompts(tok, size: int, rounds: int, separator: str):
     asked = reordered(chunks, seed=1)
 
     def ids(parts, question):
+        if shape == "stock":
+            return stock_rag_prompt(tok, ex.system, parts, question)
         return build_blend_prompt(tok, ex.system, parts, question, separator).token_ids
 
     warm = ids(chunks, "Which of these people was born first?")
@@ -83,6 +89,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the preview and the selected tokens through the blender's layer-by-layer path "
         "(connector key engine_forward=false) instead of vLLM's forward pass",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=("separator", "stock"),
+        default="separator",
+        help="prompt shape: chunks after blend_special_str, or LangChain's stock RAG prompt "
+        "(chunks joined by blank lines in the system message, no separator)",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument(
@@ -128,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     med = statistics.median
     results = []
     for size in sizes:
-        warm, asked = _prompts(tok, size, args.repeats + 1, separator)
+        warm, asked = _prompts(tok, size, args.repeats + 1, separator, args.shape)
         ask(warm, {"blend": False})  # computes and stores the chunks
         times: dict[str, list[float]] = {name: [] for name, _ in modes}
         token_layers: dict[str, list[float]] = {name: [] for name, _ in modes}

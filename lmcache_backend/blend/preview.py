@@ -48,9 +48,16 @@ def preview_selection(
     if count == 0:  # naive reuse: nothing to choose, no preview
         meta.fix_selection(chosen)
         return
+    # The preview runs the query tail alone: the uncached tokens before it (chunk edges, new
+    # text) are left out of its keys and computed once, in the blend that follows, instead of
+    # twice (measured: a preview over 1,000 such tokens of a 4k prompt cost more than a full
+    # prefill). Their own attention mass is never needed: they are always recomputed.
+    previewed = chosen.clone()
+    previewed[: meta.query_start] = False
+    previewed[-1] = True
     preview = BlendMetadata(
         positions=meta.positions,
-        active=torch.nonzero(chosen, as_tuple=False).flatten(),
+        active=torch.nonzero(previewed, as_tuple=False).flatten(),
         valid_mask=valid,
         num_reusable=meta.num_reusable,
         schedule={},

@@ -21,6 +21,7 @@ class PreviewMass:
     def __init__(self, num_tokens: int, device: torch.device, with_last: bool) -> None:
         self.query = torch.zeros(num_tokens, dtype=torch.float32, device=device)
         self.last = torch.zeros_like(self.query) if with_last else None
+        self.hidden: torch.Tensor | None = None
 
     def attend(
         self,
@@ -37,9 +38,16 @@ class PreviewMass:
         the layer's sliding window, if it has one."""
         rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
         positions = meta.positions[meta.active]
+        if self.hidden is None:  # keys neither cached nor previewed: uncached tokens before
+            self.hidden = ~meta.valid_mask.clone()  # the query tail (chunk edges, new text)
+            self.hidden[meta.active] = False
         kw = {} if window is None else {"window": window}
+        if bool(self.hidden.any()):
+            kw["hidden"] = self.hidden
         attn, mass, last = attention_with_query_mass(q, keys, values, positions, scale, rows, **kw)
         norms = value_norms(values)
+        if "hidden" in kw:
+            norms = norms.masked_fill(self.hidden, 0.0)
         self.query.addcmul_(mass, norms)
         if self.last is not None:
             self.last.addcmul_(last, norms)

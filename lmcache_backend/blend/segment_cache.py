@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_backend.blend.segmenting import Segment, SegmentPattern, as_pattern
+from lmcache_backend.blend.patterns import SegmentPattern, as_pattern
+from lmcache_backend.blend.segmenting import Segment
 from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage.segments import SegmentKV, SegmentStore, segment_key, segment_keys
 

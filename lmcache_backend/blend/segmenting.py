@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_PLACEHOLDER = "\x00LMCACHE_BACKEND_USER_CONTENT\x00"
-
 #: Words put on each side of the separator to see how it tokenizes between words. The right-hand
 #: words start differently (letter, capital, digit) so that only ids the separator produces
 #: whatever follows it are kept.
@@ -100,6 +98,15 @@ class SeparatorPattern:
         if not segments:
             return []
         return [s for s, hit in zip(segments, held(segments)) if hit]
+
+    def claim_end(self, tokens: Sequence[int], hits: Sequence[Segment]) -> int:
+        """Where a blend of ``tokens`` ends: at the query tail (chunks between the last hit and
+        the tail are computed by the blend, the tail by the engine)."""
+        return self.query_start(tokens) if hits else 0
+
+    def describe(self) -> str:
+        """One line for the start-up log: how prompts are segmented."""
+        return f"chunks end with the separator {self.text!r} (ids {list(self.ids)})"
 
 
 def separator_token_ids(tokenizer: Any, blend_special_str: str) -> list[int]:
@@ -264,115 +271,23 @@ def build_blend_prompt(
     return BlendPrompt(token_ids=token_ids, segments=segments, text=text)
 
 
-@dataclass(frozen=True)
-class BlockPattern:
-    """Separator-free segmenting: fixed-size token blocks, found wherever they recur.
-
-    A computed prompt stores its tokens as blocks of ``block_size`` tokens aligned to the start
-    of the prompt (``[0, B)``, ``[B, 2B)``, ...), each with the position it was computed at. A new
-    prompt is searched for those blocks at *every* token offset (one key per window of ``B``
-    tokens, one batched lookup); a found block's K/V are reused (re-rotated to the new positions
-    by the blender), every token not covered by a found block is computed like an uncached
-    token. A chunk that moved by any number of tokens is found, except its edges: up to
-    ``B - 1`` tokens at each end fall in blocks that also hold neighbouring text.
-
-    The query tail (never served, never stored) starts at the last chat message: the last
-    occurrence of ``turn_start``, the ids the chat template writes between two messages before
-    a user message (e.g. ``<|im_end|>\\n<|im_start|>user``). Without them (no chat template, or
-    a plain prompt) it is the last ``block_size`` tokens.
-
-    Attributes:
-        block_size: ``B``, tokens per block (``blend_block_size``).
-        turn_start: ids opening a user message after another message; may be empty.
-    """
-
-    block_size: int
-    turn_start: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-
-    def query_start(self, tokens: Sequence[int]) -> int:
-        """Where the query tail starts (see the class docstring)."""
-        toks, m = list(tokens), len(self.turn_start)
-        if m:
-            want = list(self.turn_start)
-            for i in range(len(toks) - m, -1, -1):
-                if toks[i : i + m] == want:
-                    return i
-        return max(0, len(toks) - self.block_size)
-
-    def split(self, tokens: Sequence[int]) -> list[Segment]:
-        """The aligned blocks before the query tail, then the rest of the prompt as one segment
-        (every token belongs to exactly one segment)."""
-        units = self.store_units(tokens)
-        end = units[-1].end if units else 0
-        return units + ([Segment(end, len(tokens))] if end < len(tokens) else [])
-
-    def store_units(self, tokens: Sequence[int]) -> list[Segment]:
-        """The blocks a computed prompt stores: aligned to its start, ending before the tail."""
-        b, q = self.block_size, self.query_start(tokens)
-        return [Segment(i, i + b) for i in range(0, q - b + 1, b)]
-
-    def match(self, tokens: Sequence[int], held: Held) -> list[Segment]:
-        """Stored blocks found in ``tokens`` at any offset before the query tail, left to right,
-        not overlapping (a hit at ``i`` resumes the search at ``i + B``)."""
-        b, q = self.block_size, self.query_start(tokens)
-        windows = [Segment(i, i + b) for i in range(0, q - b + 1)]
-        if not windows:
-            return []
-        hits = held(windows)
-        found, i = [], 0
-        while i < len(windows):
-            if hits[i]:
-                found.append(windows[i])
-                i += b
-            else:
-                i += 1
-        return found
+#: LangChain's documented RAG system prompt (``create_stuff_documents_chain``'s example).
+STOCK_RAG_SYSTEM = (
+    "Use the following pieces of retrieved context to answer the question. If you don't know "
+    "the answer, say that you don't know.\n\n{context}"
+)
 
 
-#: How a prompt splits into cached units: around a separator, or in blocks found at any offset.
-SegmentPattern = SeparatorPattern | BlockPattern
-
-_TURN_A, _TURN_B = "\x00LMCACHE_A\x00", "\x00LMCACHE_B\x00"
-
-
-def turn_start_ids(tokenizer: Any) -> tuple[int, ...]:
-    """Ids the tokenizer's chat template writes between a message and the next user message's
-    content, less the last one (it may merge with the content's first characters); ``()`` when
-    there is no chat template or it cannot render a three-message conversation."""
-    if not getattr(tokenizer, "chat_template", None):
-        return ()
+def stock_rag_prompt(
+    tokenizer: Any, system: str, chunks: Sequence[str], question: str
+) -> list[int]:
+    """Token ids of LangChain's stock RAG chat: ``system`` then the chunks joined by blank lines
+    in the system message (no separator), the question alone in the user message, rendered by
+    the chat template as vLLM's chat endpoint does."""
+    context = system + "\n\n" + "\n\n".join(chunks)
     messages = [
-        {"role": "user", "content": _TURN_A},
-        {"role": "assistant", "content": _TURN_B},
-        {"role": "user", "content": _PLACEHOLDER},
+        {"role": "system", "content": STOCK_RAG_SYSTEM.format(context=context)},
+        {"role": "user", "content": question},
     ]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception:  # templates may reject roles or need arguments: no chat structure then
-        return ()
-    if _TURN_B not in text or _PLACEHOLDER not in text:
-        return ()
-    between = text.split(_TURN_B, 1)[1].split(_PLACEHOLDER, 1)[0]
-    ids = _encode(tokenizer, between)
-    return tuple(ids[:-1]) if len(ids) > 1 else tuple(ids)
-
-
-def segment_pattern(tokenizer: Any, blend_special_str: str, block_size: int = 16) -> SegmentPattern:
-    """The pattern a configuration asks for: :func:`separator_pattern` of ``blend_special_str``,
-    or, when it is empty, a :class:`BlockPattern` of ``block_size`` tokens (separator-free)."""
-    if blend_special_str == "":
-        return BlockPattern(block_size=block_size, turn_start=turn_start_ids(tokenizer))
-    return separator_pattern(tokenizer, blend_special_str)
-
-
-def as_pattern(separator: Any) -> SegmentPattern:
-    """``separator`` as a pattern: a pattern is returned as is, token ids become a
-    :class:`SeparatorPattern` matching exactly those ids."""
-    if hasattr(separator, "match") and hasattr(separator, "store_units"):
-        return separator
-    ids = separator.tolist() if hasattr(separator, "tolist") else list(separator)
-    return SeparatorPattern(ids=tuple(int(t) for t in ids))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return _encode(tokenizer, text)

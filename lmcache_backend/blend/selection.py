@@ -139,6 +139,8 @@ def query_attention_mass(
         q_positions: ``[Nq]`` positions of the queries; a query at ``p`` sees keys ``0..p``.
         scale: softmax scale.
         window: a sliding window: the query at ``p`` sees keys ``p - window + 1 .. p`` only.
+        hidden: ``[T]`` bool, keys no query sees (rows whose K/V are neither cached nor
+            computed by this pass), or None.
 
     Returns:
         ``[Nk]`` fp32: ``sum over heads and queries of softmax(q k^T * scale)`` (each query and
@@ -166,6 +168,7 @@ def attention_with_query_mass(
     scale: float,
     query_rows: torch.Tensor,
     window: int | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact-mask attention and, from the same probabilities, the mass the query rows (and the
     last row alone) put on each key: the preview pass computes them at every layer, in one go.
@@ -176,6 +179,8 @@ def attention_with_query_mass(
         scale: softmax scale.
         query_rows: ``[M]`` int64 rows of ``q`` whose attention mass is summed.
         window: a sliding window: the query at ``p`` sees keys ``p - window + 1 .. p`` only.
+        hidden: ``[T]`` bool, keys no query sees (rows whose K/V are neither cached nor
+            computed by this pass), or None.
 
     Returns:
         ``([N, Hq, D]`` attention output in ``q.dtype``, ``[T]`` fp32 mass of the query rows,
@@ -212,6 +217,10 @@ def attention_with_query_mass(
         last = max(min(int(positions[-1]) - window + 1, num_keys), 0)
         past = torch.arange(last, device=k.device)[None, :] <= positions[:, None] - window
         logits[..., :last].masked_fill_(past[None, :, None, :], float("-inf"))
+    if hidden is not None:  # their rows may hold anything, even non-finite values
+        hidden = hidden.to(k.device)
+        logits.masked_fill_(hidden[None, None, None, :], float("-inf"))
+        vh = vh.masked_fill(hidden[None, :, None], 0)
     probs = torch.softmax(logits, dim=-1)
     out = torch.bmm(probs.view(kv_heads, -1, num_keys).to(mm), vh)
     out = out.view(kv_heads, n, group, -1).permute(1, 0, 2, 3).reshape(n, num_heads, -1)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from lmcache_backend.blend import BlendResult, LMCBlender
+from lmcache_backend.blend.patterns import segment_pattern
 from lmcache_backend.blend.segment_cache import SegmentCache
-from lmcache_backend.blend.segmenting import segment_pattern
 from lmcache_backend.config import BlendConfig, load_config
 from lmcache_backend.models.hf import HFModelAdapter
 from lmcache_backend.ops import Ops, get_ops
@@ -123,7 +123,10 @@ class HFBlendEngine:
             )
         self.store = store
         self.separator = segment_pattern(
-            tokenizer, self.config.blend_special_str, self.config.blend_block_size
+            tokenizer,
+            self.config.blend_special_str,
+            self.config.blend_block_size,
+            self.config.blend_segmentation,
         )
         self.segment_cache = SegmentCache(self.store, self.adapter.fingerprint, self.separator)
         self.blender = LMCBlender(

@@ -1,12 +1,16 @@
 """Scheduler side: which prompts to claim, and the per-step load/save plan for the workers.
 
-A prompt is claimed when the segments after vLLM's own prefix hit that the store holds, plus that
-prefix, give at least ``blend_min_tokens`` reusable tokens. The claim covers the prompt up to its
-query tail (the question and the assistant header, after the last separator), loaded
-synchronously (vLLM runs a synchronous load before the step's forward pass). The tail is never
-cached: vLLM computes it in its own forward pass, over the blended K/V, and its last token gives
-the first output token.
-Nothing claimed: vLLM prefills normally, and the workers store the prompt's segments afterwards.
+A prompt is claimed when the units the store holds beyond vLLM's own prefix hit (chunks, or
+blocks found at any offset: :mod:`lmcache_backend.blend.patterns`), plus that prefix, give at
+least ``blend_min_tokens`` reusable tokens and the blend is predicted to pay
+(:mod:`lmcache_backend.blend.pays`, ``blend_max_cost``). The claim ends where the pattern says
+(after the last separator, or after the last block found) and is loaded synchronously (vLLM runs
+a synchronous load before the step's forward pass). What follows it (the question, the assistant
+header) is never served from the store: vLLM computes it in its own forward pass, over the
+blended K/V, and its last token gives the first output token.
+Nothing claimed: vLLM prefills normally, the workers store the prompt's units afterwards, and the
+request is recorded (log line, ``stats_file`` line with ``"blended": false``) with its reason
+(:data:`SKIP_REASONS`).
 
 With ``blend_layers_per_step > 0`` a claim whose selection never computes a token of the tail in
 a blend layer (the preview selections) is loaded asynchronously instead: vLLM allocates blocks for
@@ -33,10 +37,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache_backend.blend.pays import estimate_blend
 from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
+from lmcache_backend.integration.vllm.stats import append_json_line
 from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage import create_lookup
 from lmcache_backend.storage.segments import segment_keys
@@ -65,6 +71,17 @@ class _Tracked:
     cache_salt: str | None = None
 
 
+#: Why a request the connector saw is left to vLLM (the ``reason`` of its stats-file line).
+SKIP_REASONS = (
+    "blending off",  # enable_blending is false: segments are only stored
+    "opted out",  # kv_transfer_params {"blend": false}
+    "lora",  # a LoRA request: neither blended nor stored
+    "no reusable span",  # the store holds none of the prompt (beyond vLLM's prefix hit)
+    "below blend_min_tokens",
+    "would not pay",  # the predicted blend cost exceeds blend_max_cost
+)
+
+
 @dataclass
 class ClaimStats:
     """Counters of this scheduler (also logged per request)."""
@@ -72,6 +89,8 @@ class ClaimStats:
     requests: int = 0
     claimed_requests: int = 0
     claimed_tokens: int = 0
+    #: requests left to vLLM, by reason
+    skipped: dict[str, int] = field(default_factory=dict)
 
 
 def request_salt(request: Any) -> str | None:
@@ -108,6 +127,8 @@ class SchedulerSide:
         # request -> its key namespace (cache_salt), read when vLLM asks about the request and
         # used when its prompt is planned for saving; a request missing here is never stored
         self._salts: dict[str, str | None] = {}
+        # requests left to vLLM -> why (recorded once per request)
+        self._skipped: dict[str, str] = {}
         self.stats = ClaimStats()
 
     # -- claims ---------------------------------------------------------------------------
@@ -119,28 +140,29 @@ class SchedulerSide:
         return hits
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` the connector provides (0, or up to the query
-        tail)."""
+        """Tokens beyond ``num_computed_tokens`` the connector provides (0, or up to the end of
+        the last reused span); a request left to vLLM is recorded once with its reason."""
         rid = request.request_id
         self._claims.pop(rid, None)
         salt = request_salt(request)
+        tokens = list(request.prompt_token_ids or [])
         if getattr(request, "lora_request", None) is not None:
             self._salts.pop(rid, None)  # never stored: the keys do not know the adapter
+            self._skip(rid, len(tokens), "lora", "segment keys do not know adapters")
             return 0
         self._salts[rid] = salt
-        tokens = list(request.prompt_token_ids or [])
         config = request_config(
             self.settings.config,
             getattr(request, "kv_transfer_params", None),
             self.settings.num_layers,
             rid,
         )
-        # vLLM computes the query tail, at least the last token (it gives the first output token)
-        end = min(self.settings.separator.query_start(tokens), len(tokens) - 1)
-        if config is None or end <= num_computed_tokens:
+        if config is None:
+            off = not self.settings.config.enable_blending
+            self._skip(rid, len(tokens), "blending off" if off else "opted out")
             return 0
         self.stats.requests += 1
-        # The query tail is always computed: never counted as cached.
+        pattern = self.settings.separator
         looked_up: list = []
 
         def held(segments: list) -> list[bool]:
@@ -148,20 +170,35 @@ class SchedulerSide:
             spans = [(s.start, s.end) for s in segments]
             return self._cached(segment_keys(self.fingerprint, tokens, spans, salt))
 
-        hits = self.settings.separator.match(tokens, held)
+        hits = pattern.match(tokens, held)
+        # vLLM computes the rest, at least the last token (it gives the first output token)
+        end = min(pattern.claim_end(tokens, hits), len(tokens) - 1)
         reused = sum(
             min(s.end, end) - max(s.start, num_computed_tokens)
             for s in hits
             if min(s.end, end) > max(s.start, num_computed_tokens)
         )
         reusable = num_computed_tokens + reused
-        if reused == 0 or reusable < config.blend_min_tokens:
-            logger.debug(
-                "request %s: %d reusable tokens (%d cached segments): prefilled by vLLM",
-                rid,
-                reusable,
-                len(hits),
+        estimate = estimate_blend(
+            len(tokens), num_computed_tokens, end, reused, config, self.settings.num_layers
+        )
+        kind = detail = None
+        if reused == 0:
+            kind = "no reusable span"
+            if hits:
+                detail = "vLLM's prefix cache holds every reused span"
+        elif reusable < config.blend_min_tokens:
+            kind = "below blend_min_tokens"
+            detail = f"{reusable} reusable tokens < {config.blend_min_tokens}"
+        elif estimate.cost_share > config.blend_max_cost:
+            kind = "would not pay"
+            detail = (
+                f"predicted {estimate.cost_share:.0%} of a full prefill's token-layers > "
+                f"blend_max_cost={config.blend_max_cost:g} ({reused} tokens reused, "
+                f"{estimate.fresh} of the claim to compute)"
             )
+        if kind is not None:
+            self._skip(rid, len(tokens), kind, detail, reusable, len(hits), estimate.cost_share)
             return 0
         claim = end - num_computed_tokens
         own = config is not self.settings.config  # the request overrides the engine's settings
@@ -175,11 +212,13 @@ class SchedulerSide:
             and config.blend_selection in PREVIEW_SELECTIONS,
             cache_salt=salt,
         )
+        self._skipped.pop(rid, None)
         self.stats.claimed_requests += 1
         self.stats.claimed_tokens += claim
         logger.info(
             "CacheBlend claims %d tokens of request %s (%d tokens, %d reusable in %d of %d "
-            "cached segments, %d from vLLM's prefix cache)",
+            "looked-up units, %d from vLLM's prefix cache; predicted %.0f%% of a full "
+            "prefill's token-layers)",
             claim,
             rid,
             len(tokens),
@@ -187,8 +226,46 @@ class SchedulerSide:
             len(hits),
             len(looked_up),
             num_computed_tokens,
+            100.0 * estimate.cost_share,
         )
         return claim
+
+    def _skip(
+        self,
+        rid: str,
+        num_tokens: int,
+        reason: str,
+        detail: str | None = None,
+        reusable: int = 0,
+        hits: int = 0,
+        cost_share: float | None = None,
+    ) -> None:
+        """Record that ``rid`` is left to vLLM, once per request (vLLM may ask again while the
+        request waits for blocks). ``reason`` is one of :data:`SKIP_REASONS`."""
+        if self._skipped.get(rid) == reason:
+            return
+        self._skipped[rid] = reason
+        self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
+        logger.info(
+            "CacheBlend leaves request %s (%d tokens) to vLLM: %s%s",
+            rid,
+            num_tokens,
+            reason,
+            f" ({detail})" if detail else "",
+        )
+        if self.settings.stats_file:
+            entry = {
+                "req_id": rid,
+                "blended": False,
+                "reason": reason,
+                "detail": detail,
+                "num_tokens": num_tokens,
+                "num_reusable": reusable,
+                "reused_units": hits,
+            }
+            if cost_share is not None:
+                entry["predicted_cost_share"] = round(cost_share, 4)
+            append_json_line(self.settings.stats_file, entry)
 
     def is_sliced(self, request: Any) -> bool:
         """Whether the claim just made for ``request`` is loaded asynchronously."""
@@ -297,6 +374,7 @@ class SchedulerSide:
         self._claims.pop(rid, None)
         self._tracked.pop(rid, None)
         self._salts.pop(rid, None)
+        self._skipped.pop(rid, None)
         # vLLM frees the blocks of a request aborted while loading only once a worker reports
         # it in finished_recving: a load not yet planned is planned and cancelled in one step
         # (workers start a step's loads before its cancels), one in flight is dropped by the

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_backend.blend.segmenting import SegmentPattern, segment_pattern
+from lmcache_backend.blend.patterns import SegmentPattern, segment_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
 from lmcache_backend.storage.index_dir import default_index_dir
 from lmcache_backend.storage.settings import store_settings
@@ -131,7 +131,12 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         str(mc.tokenizer), getattr(mc, "tokenizer_revision", None), bool(mc.trust_remote_code)
     )
     try:
-        separator = segment_pattern(tokenizer, config.blend_special_str, config.blend_block_size)
+        separator = segment_pattern(
+            tokenizer,
+            config.blend_special_str,
+            config.blend_block_size,
+            config.blend_segmentation,
+        )
     except ValueError as exc:
         raise ConfigError(f"blend_special_str={config.blend_special_str!r}: {exc}") from exc
     instance_id = str(own.get("instance_id") or f"vllm-{kv.engine_id}")

@@ -1,4 +1,8 @@
-"""One record per request the connector blended: logged, kept, and appended to ``stats_file``."""
+"""One record per request the connector blended: logged, kept, and appended to ``stats_file``.
+
+Requests the connector leaves to vLLM get a line of their own from the scheduler side
+(``"blended": false`` and a ``reason``: ``scheduler.SKIP_REASONS``).
+"""
 
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ class BlendRecord:
     #: the request had a ``cache_salt`` (it reused segments of that salt only); the salt itself
     #: is never written: it may name a tenant
     salted: bool = False
+    #: always True here; the lines of requests left to vLLM carry False and a ``reason``
+    blended: bool = True
 
 
 def attention_fraction(computed: torch.Tensor, end: int, num_tokens: int) -> float:
@@ -157,10 +163,10 @@ class BlendStats:
             f"; fell back: {record.fallback_reason}" if record.fallback_reason else "",
         )
         if self.stats_file:
-            _append_json_line(self.stats_file, asdict(record))
+            append_json_line(self.stats_file, asdict(record))
 
 
-def _append_json_line(path: str, entry: dict[str, Any]) -> None:
+def append_json_line(path: str, entry: dict[str, Any]) -> None:
     try:
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(entry) + "\n")
