@@ -107,3 +107,14 @@ def test_every_new_document_is_another_examples() -> None:
     assert len(ids) == len(set(ids)) == 15
     with pytest.raises(SystemExit, match="--examples"):
         clients.pick_examples(None, 100, 4)
+
+
+def test_the_new_document_is_the_one_the_question_is_about() -> None:
+    from lmcache_backend.data.examples import RagExample
+
+    examples, _ = clients.pick_examples(None, 3, 1)
+    for ex in examples:  # the dev set: the profile named in the question
+        name = clients.new_document(ex).split(".", 1)[0].removeprefix("Profile of ")
+        assert name in ex.question
+    other = RagExample("x", "s", ["no", "the answer is Teal", "no"], "Colour?", ["teal"])
+    assert clients.new_document(other) == "the answer is Teal"
