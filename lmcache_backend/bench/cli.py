@@ -167,6 +167,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "full prefill on the same engine (python -m lmcache_backend.bench.profile; takes "
         "--repeats and --sweep-tokens)",
     )
+    from lmcache_backend.bench import clients
+
+    clients.add_arguments(parser)
 
 
 def strategies_from_args(args: argparse.Namespace) -> list[Strategy]:
@@ -294,6 +297,11 @@ def run(
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``lmcache-backend bench``."""
+    if getattr(args, "client", None):
+        from lmcache_backend.bench import clients
+
+        clients.run(args)
+        return 0
     import torch
 
     # Threads beyond the cores make CPU runs far slower; follow OMP_NUM_THREADS when set.

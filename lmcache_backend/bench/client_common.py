@@ -1,0 +1,111 @@
+"""What the framework clients share: a streamed answer, the opt-out, the connector's stats file."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: The request body field that opts a request out of reuse (a full prefill on the same server).
+OPT_OUT: dict[str, Any] = {"kv_transfer_params": {"blend": False}}
+
+
+@dataclass
+class Answer:
+    """One streamed answer: its text, the time to its first non-empty chunk and to its end."""
+
+    text: str
+    ttft_s: float
+    total_s: float
+
+
+def stream_answer(start: Callable[[], Iterable[Any]]) -> Answer:
+    """Call ``start()`` (it sends the request through the framework) and read its stream of text
+    chunks; the clock starts before the call."""
+    began = time.perf_counter()
+    first = None
+    parts: list[str] = []
+    for chunk in start():
+        text = chunk if isinstance(chunk, str) else str(getattr(chunk, "content", chunk) or "")
+        if text:
+            if first is None:
+                first = time.perf_counter() - began
+            parts.append(text)
+    total = time.perf_counter() - began
+    return Answer("".join(parts), total if first is None else first, total)
+
+
+@dataclass
+class Reuse:
+    """What the connector's stats file says about one request.
+
+    ``seen``: the connector wrote a line for it. ``blended``: that line is a blend (a line
+    without a ``blended`` field is one, unless it fell back to a full prefill); ``reason``: why
+    not, when the line says. ``share``: reused tokens over prompt tokens (0 when not blended).
+    """
+
+    seen: bool
+    blended: bool
+    reason: str | None = None
+    num_tokens: int = 0
+    num_reusable: int = 0
+    token_layer_fraction: float | None = None
+    req_id: str | None = None
+
+    @property
+    def share(self) -> float:
+        return self.num_reusable / self.num_tokens if self.blended and self.num_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "share": self.share}
+
+
+NOT_SEEN = Reuse(seen=False, blended=False, reason="no stats line")
+
+
+def reuse_of(records: list[dict[str, Any]]) -> Reuse:
+    """The reuse of the request that wrote ``records`` (its lines; the last one counts)."""
+    if not records:
+        return NOT_SEEN
+    rec = records[-1]
+    reason = rec.get("reason") if rec.get("blended", True) is False else rec.get("fallback_reason")
+    return Reuse(
+        seen=True,
+        blended=rec.get("blended", True) is not False and not rec.get("fallback_reason"),
+        reason=reason,
+        num_tokens=int(rec.get("num_tokens") or 0),
+        num_reusable=int(rec.get("num_reusable") or 0),
+        token_layer_fraction=rec.get("token_layer_fraction"),
+        req_id=rec.get("req_id"),
+    )
+
+
+class StatsFile:
+    """The server's ``stats_file`` (JSON lines); a request's lines are those that appear while
+    it runs (requests are sent one at a time). Without a file every request reads as not seen."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = Path(path) if path else None
+
+    def lines(self) -> list[dict[str, Any]]:
+        if self.path is None or not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a line being written right now
+                    break
+        return out
+
+    def around(self, send: Callable[[], Answer]) -> tuple[Answer, Reuse]:
+        """Send one request; its answer and what the stats file says about it."""
+        before = len(self.lines())
+        answer = send()
+        if self.path is None:
+            return answer, Reuse(seen=False, blended=False, reason="no stats file")
+        return answer, reuse_of(self.lines()[before:])
