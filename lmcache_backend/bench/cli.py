@@ -157,6 +157,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep-only", action="store_true", help="run the sweep alone, without the dataset"
     )
+    parser.add_argument(
+        "--prompt-shape",
+        choices=("separator", "stock"),
+        default="separator",
+        help="separator: the parts after blend_special_str (default); stock: LangChain's stock "
+        "RAG chat (chunks joined by blank lines in the system message, no separator)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -234,6 +241,7 @@ def run(
     except EngineUnavailable as exc:
         raise SystemExit(f"bench: {exc}") from None
     _validate(args, engine.num_layers)
+    engine.prompt_shape = getattr(args, "prompt_shape", "separator")
     skipped = [s.name for s in strategies if not engine.supports(s)]
     strategies = [s for s in strategies if engine.supports(s)]
     by_length, by_chunks = sweep_points(args.sweep_tokens, args.sweep_chunks)

@@ -11,7 +11,7 @@ import torch
 
 from lmcache_backend.bench.engines import PrefillRun
 from lmcache_backend.bench.strategies import BLEND, FULL, PREFIX, Strategy
-from lmcache_backend.blend.segmenting import build_blend_prompt
+from lmcache_backend.blend.segmenting import build_blend_prompt, stock_rag_prompt
 
 
 class VLLMEngine:
@@ -65,7 +65,13 @@ class VLLMEngine:
             "vllm": vllm.__version__,
         }
 
+    #: ``separator`` (the parts after ``blend_special_str``) or ``stock`` (LangChain's stock
+    #: RAG chat, no separator: :func:`~lmcache_backend.blend.segmenting.stock_rag_prompt`)
+    prompt_shape = "separator"
+
     def prompt_ids(self, system: str, chunks: Sequence[str], question: str) -> list[int]:
+        if self.prompt_shape == "stock":
+            return stock_rag_prompt(self.tokenizer, system, chunks, question)
         return build_blend_prompt(
             self.tokenizer, system, chunks, question, self.config.blend_special_str
         ).token_ids

@@ -123,6 +123,15 @@ class CacheBlendConnector(KVConnectorBase_V1):
             settings.config.blend_min_tokens,
             settings.instance_id,
         )
+        if role == KVConnectorRole.SCHEDULER:
+            logger.info(
+                "CacheBlend segmentation (blend_segmentation=%s): %s; a request is blended when "
+                "it reuses >= %d tokens and its predicted cost is <= %g of a full prefill",
+                settings.config.blend_segmentation,
+                settings.separator.describe(),
+                settings.config.blend_min_tokens,
+                settings.config.blend_max_cost,
+            )
 
     # -- scheduler side -------------------------------------------------------------------
 
