@@ -162,12 +162,17 @@ def format_table(summaries: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def pick_examples(dataset: str | None, count: int, shapes: int) -> tuple[list, list[list]]:
+def pick_examples(
+    dataset: str | None, count: int, shapes: int, longest: bool = False
+) -> tuple[list, list[list]]:
     """``count`` examples, and per shape ``count`` further ones whose document is never sent
-    otherwise (each shape gets its own new documents)."""
+    otherwise (each shape gets its own new documents). ``longest``: the examples with the most
+    document text first."""
     from lmcache_backend.bench.dataset import DEV_DATASET, load_dataset
 
     pool = load_dataset(dataset or DEV_DATASET)
+    if longest:
+        pool = sorted(pool, key=lambda ex: -sum(len(c) for c in ex.chunks))
     if count < 1 or count * (1 + shapes) > len(pool):
         raise SystemExit(
             f"bench: --examples {count} with {shapes} shapes needs {count * (1 + shapes)} "
@@ -188,6 +193,11 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> 
     )
     group.add_argument("--examples", type=int, default=12, help="dev-set examples (default: 12)")
     group.add_argument("--shapes", help="comma list of prompt shapes (default: the client's)")
+    group.add_argument(
+        "--longest",
+        action="store_true",
+        help="the examples with the most document text (dev set: ~1,100-token prompts)",
+    )
     group.add_argument("--url", help="a running server (default: start one on this machine)")
     group.add_argument("--stats-file", help="the running server's stats_file (with --url)")
     group.add_argument(
@@ -221,7 +231,9 @@ def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
 
     names = _shapes(args)
     env = dict(item.split("=", 1) for item in args.server_env)
-    examples, extras = pick_examples(args.dataset, args.examples, len(names))
+    examples, extras = pick_examples(
+        args.dataset, args.examples, len(names), getattr(args, "longest", False)
+    )
     tmp = tempfile.TemporaryDirectory(prefix="lmcache-backend-clients-")
     server = None
     if args.url:

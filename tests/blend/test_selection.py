@@ -211,6 +211,37 @@ def test_attention_with_query_mass_matches_the_separate_ops(heads, query_rows, w
     assert abs(float(mass.sum()) - len(rows) * hq) < 1e-4
 
 
+def test_attention_with_query_mass_hides_keys_no_pass_computed() -> None:
+    """Hidden keys (uncached tokens the preview leaves to the blend) are read by no query: the
+    output and masses equal those over the other keys alone, even when the hidden rows hold
+    non-finite values (fp32, tolerance 1e-5)."""
+    from lmcache_backend.blend.selection import attention_with_query_mass
+
+    g = torch.Generator().manual_seed(5)
+    t = 32
+    positions = torch.tensor([28, 29, 30, 31])
+    q = torch.randn(4, 6, 16, generator=g)
+    k = torch.randn(t, 2, 16, generator=g)
+    v = torch.randn(t, 2, 16, generator=g)
+    hidden = torch.zeros(t, dtype=torch.bool)
+    hidden[10:14] = True
+    k[hidden], v[hidden] = float("nan"), float("inf")
+    rows = torch.tensor([2, 3])
+    out, mass, last = attention_with_query_mass(q, k, v, positions, 0.25, rows, hidden=hidden)
+    keep = torch.nonzero(~hidden).flatten()
+    # the same keys without the hidden rows: positions shift, so compare with a mask-free pass
+    # (every query sees every kept key: all kept keys precede position 28 or are the queries')
+    ref_k, ref_v = k[keep], v[keep]
+    ref_positions = positions - int(hidden.sum())
+    ref_out, ref_mass, ref_last = attention_with_query_mass(
+        q, ref_k, ref_v, ref_positions, 0.25, rows
+    )
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(mass[keep], ref_mass)
+    torch.testing.assert_close(last[keep], ref_last)
+    assert float(mass[hidden].abs().sum()) == 0.0 and torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_attention_with_query_mass_in_half_precision(dtype) -> None:
     """bf16/fp16 keys: the products run in that dtype, softmax and masses in fp32. Against the

@@ -229,3 +229,31 @@ def test_blender_reuses_shifted_blocks_and_recomputes_edges(tiny) -> None:
     s = hits[0]
     src = next(i for i in range(len(first) - B + 1) if first[i : i + B] == second[s.start : s.end])
     torch.testing.assert_close(naive.values[2][s.start : s.end], pre.values[2][src : src + B])
+
+
+def test_preview_computes_uncached_tokens_once(tiny) -> None:
+    """The preview runs the tokens after the last reused block alone; the uncached tokens before
+    them (chunk edges) are computed once, in the blend, not in the preview too."""
+    blender, cache = _blender(tiny, 0.2)
+    first = _chat(D1, D2, D3, question=Q1)
+    pre = hf_full_prefill(tiny, first)
+    cache.store_segments(first, pre.keys, pre.values)
+    second = _ids(5, 7) + _chat(D3, D1, D2, question=Q2)
+    result = blender.blend(second)
+    valid = result.valid_mask
+    last_reused = int(torch.nonzero(valid).max())
+    assert int((~valid[:last_reused]).sum()) > 0, "the prompt must have edges to compute"
+    tail = len(second) - last_reused - 1
+    layers = tiny.config.num_hidden_layers
+    # every recomputed token (edges, selected, tail) once in the blend, the tail in the preview
+    assert result.token_layers == layers * (result.recomputed.numel() + tail)
+    full = hf_full_prefill(tiny, second)
+    assert torch.isfinite(result.logits).all()
+    # close to the full prefill's next token distribution (tiny random model, ratio 0.2)
+    kl = torch.nn.functional.kl_div(
+        result.logits.float().log_softmax(-1),
+        full.logits.float().log_softmax(-1),
+        log_target=True,
+        reduction="sum",
+    )
+    assert float(kl) < 0.5
