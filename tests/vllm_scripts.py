@@ -52,5 +52,6 @@ def run_blend_script(
     script.write_text(source)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     result = run_result_script(script, args, {**env, **BLEND_ENV}, timeout=timeout)
-    records = [json.loads(line) for line in stats.read_text().splitlines()]
+    lines = [json.loads(line) for line in stats.read_text().splitlines()]
+    records = [r for r in lines if r.get("blended", True)]  # lines of blends only
     return result, records

@@ -143,11 +143,13 @@ class ServerProcess:
         with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as resp:
             return resp.read().decode()
 
-    def stats(self) -> list[dict]:
-        """The connector's records of blended requests so far."""
+    def stats(self, left_to_vllm: bool = False) -> list[dict]:
+        """The connector's records of blended requests so far (``left_to_vllm``: also the
+        lines of the requests it left to vLLM, ``"blended": false``)."""
         if not self.stats_file or not self.stats_file.exists():
             return []
-        return [json.loads(line) for line in self.stats_file.read_text().splitlines() if line]
+        lines = [json.loads(line) for line in self.stats_file.read_text().splitlines() if line]
+        return lines if left_to_vllm else [r for r in lines if r.get("blended", True)]
 
     def client(self, timeout_s: float = 120.0) -> Any:
         from openai import OpenAI

@@ -74,9 +74,12 @@ def generate_one(
     return llm.generate([{"prompt_token_ids": list(token_ids)}], sampling, use_tqdm=False)[0]
 
 
-def read_records(stats_file: str) -> list[dict]:
-    """The connector's records in ``stats_file`` (one per blended request), oldest first."""
+def read_records(stats_file: str, left_to_vllm: bool = False) -> list[dict]:
+    """The connector's records in ``stats_file``, oldest first: one per blended request, and
+    with ``left_to_vllm`` also the lines of the requests it left to vLLM (``"blended": false``,
+    with their ``reason``)."""
     if not os.path.exists(stats_file):
         return []
     with open(stats_file, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        lines = [json.loads(line) for line in fh if line.strip()]
+    return lines if left_to_vllm else [r for r in lines if r.get("blended", True)]

@@ -67,7 +67,8 @@ SCRIPT = textwrap.dedent(
 def _records(path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in lines if r.get("blended", True)]  # blends only
 
 
 @pytest.mark.parametrize("mode", ["separator", "separator-free"])
