@@ -21,7 +21,9 @@ import pytest
 # on a gate that refuses, not on an import
 from repo_paths import REPO_ROOT
 
+from lmcache_backend.blend.patterns import BlockPattern
 from lmcache_backend.compat import UnsupportedVersions, Versions, release
+from lmcache_backend.config import BlendConfig
 
 ROOT = REPO_ROOT
 DOCS = ROOT / "docs" / "vllm.md"
@@ -270,14 +272,10 @@ def _start_connector(monkeypatch: pytest.MonkeyPatch, allow_untested: bool, role
         allow_untested_versions=allow_untested,
         blend_layers_per_step=0,
         instance_id="gate-test",
-        config=SimpleNamespace(
-            enable_blending=True,
-            blend_recompute_ratios=[0.15],
-            blend_selection="deviation",
-            blend_selection_span=1,
-            blend_check_layers=[1],
-            blend_min_tokens=32,
+        config=BlendConfig(
+            enable_blending=True, blend_recompute_ratios=[0.15], blend_min_tokens=32
         ),
+        separator=BlockPattern(16),
     )
     monkeypatch.setattr(connector_mod, "load_settings", lambda cfg: settings)
     monkeypatch.setattr(connector_mod, "vllm_fingerprint", lambda cfg: None)
