@@ -39,7 +39,7 @@ def scheduler(tmp_path, monkeypatch):
 
 
 def _prompt(side) -> list[int]:
-    sep = list(side.settings.separator.ids)  # the default separator's ids
+    sep = list(side.settings.separator.separator.ids)  # the default separator's ids (auto)
     return [11, 12, 13, 14, *sep, 21, 22, 23, 24, *sep, 31, 32]
 
 
@@ -47,7 +47,7 @@ def _hold(side, tokens: list[int], salt: str | None) -> None:
     """Mark the prompt's segments as held under ``salt`` (what the worker's saver does)."""
     from lmcache_backend.storage.segments import segment_keys
 
-    units = side.settings.separator.cacheable_segments(tokens)
+    units = side.settings.separator.store_units(tokens)
     spans = [(s.start, s.end) for s in units]
     for key in segment_keys(side.fingerprint, tokens, spans, salt):
         side.index.add(key)

@@ -90,8 +90,10 @@ def test_scheduler_and_hf_engine_share_the_split(smol, sep, tmp_path, monkeypatc
     scheduler = SchedulerSide(settings, engine.adapter.fingerprint, profile=None)
     request = SimpleNamespace(request_id="r", prompt_token_ids=second, kv_transfer_params=None)
     claimed = scheduler.num_new_matched_tokens(request, 0)
-    # up to the question, which vLLM computes (never cached, never claimed)
-    assert claimed == cache.query_start(second) < len(second) - 1
+    # up to the question (after the last separator, or the last block found), which vLLM
+    # computes (never served from the store, never claimed)
+    assert claimed == cache.pattern.claim_end(second, hits) < len(second) - 1
+    assert "Which one?" in tok.decode(second[claimed:])
     assert scheduler._claims["r"].reusable == sum(len(s) for s in hits)
     # a prefix hit reaching into the question leaves the connector nothing to claim
     assert scheduler.num_new_matched_tokens(request, claimed) == 0
