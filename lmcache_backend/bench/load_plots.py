@@ -21,7 +21,7 @@ def write_load_plots(result: dict[str, Any], folder: str | Path) -> list[Path]:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
     for name, p in phases.items():
         tw = [w for w in p["throughput_windows"] if w["requests_per_s"] is not None]
-        ax1.plot([w["requests"] for w in tw], [w["requests_per_s"] for w in tw], "o-", label=name)
+        ax1.plot([w["end_s"] for w in tw], [w["requests_per_s"] for w in tw], "o-", label=name)
         sw = p["stats_windows"]
         if sw and name != "full prefill":
             xs = [w["requests"] for w in sw]
@@ -35,7 +35,7 @@ def write_load_plots(result: dict[str, Any], folder: str | Path) -> list[Path]:
                 "^:",
                 label=f"{name}: store hit rate",
             )
-    ax1.set(xlabel="requests completed", ylabel="requests/s (per window)")
+    ax1.set(xlabel="seconds into the phase", ylabel="requests/s (per window of requests)")
     ax1.set_ylim(bottom=0)
     ax1.set_title("throughput over time")
     ax1.legend(fontsize=8)
