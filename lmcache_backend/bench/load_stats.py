@@ -111,8 +111,8 @@ def _count(items) -> dict[str, int]:
 
 def metric_window(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """What the connector's counters say about the interval between two scrapes: the store's hit
-    rate (segment loads served), the reused share of blended prompts, bytes stored and evicted
-    segments, bytes held at the end."""
+    rate (segment loads served), the reused share of blended prompts, bytes stored, segments
+    evicted and their bytes (stored minus the growth of what is held), bytes held at the end."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in METRIC_COUNTERS}
     loads = d["vllm:cacheblend_store_hits_total"] + d["vllm:cacheblend_store_misses_total"]
     prompt = d["vllm:cacheblend_prompt_tokens_total"]
@@ -125,6 +125,9 @@ def metric_window(before: dict[str, float], after: dict[str, float]) -> dict[str
         if prompt
         else None,
         "stored_bytes": d["vllm:cacheblend_store_stored_bytes_total"],
+        # what was written and is no longer held (evicted or removed)
+        "evicted_bytes": d["vllm:cacheblend_store_stored_bytes_total"]
+        - d["vllm:cacheblend_store_bytes"],
         "evictions": d["vllm:cacheblend_store_evictions_total"],
         "store_bytes": after.get("vllm:cacheblend_store_bytes", 0.0),
     }
