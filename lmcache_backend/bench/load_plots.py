@@ -9,9 +9,9 @@ from lmcache_backend.bench.plots import _pyplot
 
 
 def write_load_plots(result: dict[str, Any], folder: str | Path) -> list[Path]:
-    """``load_over_time.png`` (requests/s, share of requests blended, of prompt tokens reused
-    and the store's hit rate, per window of requests) and ``ttft_distribution.png`` (empirical
-    CDF of TTFT and of inter-token gaps per phase)."""
+    """``load_over_time.png`` (requests/s per window over time; per window of requests the share
+    of requests blended, of prompt tokens found in the store and of prompt tokens reused) and
+    ``ttft_distribution.png`` (empirical CDF of TTFT and of inter-token gaps per phase)."""
     plt = _pyplot()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -26,15 +26,8 @@ def write_load_plots(result: dict[str, Any], folder: str | Path) -> list[Path]:
         if sw and name != "full prefill":
             xs = [w["requests"] for w in sw]
             ax2.plot(xs, [w["blended_share"] for w in sw], "o-", label=f"{name}: blended")
+            ax2.plot(xs, [w["found_share"] for w in sw], "^:", label=f"{name}: tokens found")
             ax2.plot(xs, [w["reused_share"] for w in sw], "s--", label=f"{name}: tokens reused")
-        mw = [w for w in p["metric_windows"] if w["store_hit_rate"] is not None]
-        if mw and name == "cacheblend":
-            ax2.plot(
-                [w["requests"] for w in mw],
-                [w["store_hit_rate"] for w in mw],
-                "^:",
-                label=f"{name}: store hit rate",
-            )
     ax1.set(xlabel="seconds into the phase", ylabel="requests/s (per window of requests)")
     ax1.set_ylim(bottom=0)
     ax1.set_title("throughput over time")

@@ -77,18 +77,22 @@ def throughput_windows(results: list[dict[str, Any]], window: int) -> list[dict[
 
 def stats_windows(lines: list[dict[str, Any]], window: int) -> list[dict[str, Any]]:
     """The connector's ``stats_file`` lines (one per request it saw, in order) in windows of
-    ``window``: the share of requests blended, and of prompt tokens reused (``num_reusable`` of
-    blended lines over every line's ``num_tokens``)."""
+    ``window``: the share of requests blended, of prompt tokens found in the store or vLLM's
+    prefix cache when the request was claimed or left to vLLM (``num_reusable`` of every line:
+    the store's hit rate in tokens), and of prompt tokens reused (``num_reusable`` of blended
+    lines), both over every line's ``num_tokens``."""
     out = []
     for start in range(0, len(lines), window):
         chunk = lines[start : start + window]
         blended = [x for x in chunk if _blended(x)]
         tokens = sum(int(x.get("num_tokens") or 0) for x in chunk)
         reused = sum(int(x.get("num_reusable") or 0) for x in blended)
+        found = sum(int(x.get("num_reusable") or 0) for x in chunk)
         out.append(
             {
                 "requests": start + len(chunk),
                 "blended_share": len(blended) / len(chunk),
+                "found_share": found / tokens if tokens else 0.0,
                 "reused_share": reused / tokens if tokens else 0.0,
                 "recomputed_tokens": sum(int(x.get("recomputed_reusable") or 0) for x in blended),
                 "left_to_vllm": _count(x.get("reason") for x in chunk if not _blended(x)),
@@ -141,19 +145,18 @@ def format_table(phases: dict[str, dict[str, Any]]) -> str:
     """One line per phase."""
     head = (
         f"{'phase':<16} {'done':>6} {'err':>4} {'req/s':>6} {'TTFT p50':>9} {'p90':>7} "
-        f"{'p99':>7} {'ITL p99':>8} {'blended':>8} {'reused':>7} {'hit':>5} {'mixed':>6}"
+        f"{'p99':>7} {'ITL p99':>8} {'blended':>8} {'found':>6} {'reused':>7} {'mixed':>6}"
     )
     lines = [head, "-" * len(head)]
     for name, p in phases.items():
-        s, st, m = p["summary"], p.get("stats") or {}, p.get("metrics") or {}
-        hit = m.get("store_hit_rate")
+        s, st = p["summary"], p.get("stats") or {}
         rps = s["requests_per_s"]
         lines.append(
             f"{name:<16} {s['completed']:>6} {s['errors']:>4} "
             f"{'-' if rps is None else f'{rps:.2f}':>6} {_ms(s['ttft_p50_s']):>9} "
             f"{_ms(s['ttft_p90_s']):>7} {_ms(s['ttft_p99_s']):>7} {_ms(s['itl_p99_s']):>8} "
-            f"{_pct(st.get('blended_share')):>8} {_pct(st.get('reused_share')):>7} "
-            f"{_pct(hit):>5} {s['mixed_up']:>6}"
+            f"{_pct(st.get('blended_share')):>8} {_pct(st.get('found_share')):>6} "
+            f"{_pct(st.get('reused_share')):>7} {s['mixed_up']:>6}"
         )
     return "\n".join(lines)
 
@@ -164,6 +167,7 @@ def _pct(v: float | None) -> str:
 
 LEGEND = (
     "TTFT and ITL in ms (client side, streamed); ITL: gaps between a stream's tokens; "
-    "blended/reused: share of requests blended and of prompt tokens reused (stats file); hit: "
-    "the store's segment hit rate (/metrics); mixed: answers holding another request's number"
+    "blended: share of requests blended; found, reused: share of prompt tokens the store (or "
+    "vLLM's prefix cache) held when asked, and that blends reused (stats file); mixed: answers "
+    "holding another request's number"
 )

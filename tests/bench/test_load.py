@@ -111,12 +111,13 @@ def test_phase_summary_and_windows() -> None:
     ]
     lines = [
         {"blended": True, "num_tokens": 100, "num_reusable": 80, "recomputed_reusable": 12},
-        {"blended": False, "reason": "no reusable span", "num_tokens": 100, "num_reusable": 0},
+        {"blended": False, "reason": "would not pay", "num_tokens": 100, "num_reusable": 0},
         {"blended": True, "num_tokens": 100, "num_reusable": 90, "fallback_reason": "x"},
     ]
     (w1, w2) = load_stats.stats_windows(lines, 2)
     assert w1["blended_share"] == 0.5 and w1["reused_share"] == pytest.approx(0.4)
-    assert w1["left_to_vllm"] == {"no reusable span": 1} and w1["recomputed_tokens"] == 12
+    assert w2["found_share"] == pytest.approx(0.9)  # found, but the blend fell back
+    assert w1["left_to_vllm"] == {"would not pay": 1} and w1["recomputed_tokens"] == 12
     assert w2["requests"] == 3 and w2["blended_share"] == 0.0
     before = dict.fromkeys(load_stats.METRIC_COUNTERS, 0.0)
     after = {**before, "vllm:cacheblend_store_hits_total": 30.0}
