@@ -66,7 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> 
     g.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     if standalone:
         parser.add_argument("--url", help="a running server (default: start one here)")
-        parser.add_argument("--stats-file", help="the running server's stats_file (with --url)")
+        parser.add_argument(
+            "--stats-file",
+            help="the running server's stats_file (with --url), or where the "
+            "started server writes it",
+        )
         parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE")
         parser.add_argument("--eager", action="store_true", help="start the server eager")
         parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
             print("no --stats-file: blended and reused shares are left out", file=out)
     else:
         vllm_args = SERVER_ARGS + (["--enforce-eager"] if args.eager else [])
-        stats_path = Path(tmp.name) / "blend.jsonl"
+        stats_path = stats_path or Path(tmp.name) / "blend.jsonl"
         server = ServerProcess(
             vllm_args, env=env, stats_file=stats_path, log_path=Path(tmp.name) / "server.log"
         )
@@ -214,6 +218,7 @@ def _run_one(url, model, spec, reqs, args, run_id) -> dict[str, Any]:
 
 def _phase_result(spec: PhaseSpec, phase: dict, lines: list[dict], window: int) -> dict:
     results = phase["results"]
+    load_stats.attach_lines(results, lines)
     snaps = [s for s in phase["snapshots"] if "error" not in s]
     windows = [
         {"requests": b["requests"], "t_s": b["t_s"], **load_stats.metric_window(a, b)}
@@ -222,6 +227,7 @@ def _phase_result(spec: PhaseSpec, phase: dict, lines: list[dict], window: int) 
     return {
         "spec": {"params": spec.params, "unique_salt": spec.unique_salt},
         "summary": load_stats.summarize_phase(results, phase["wall_s"]),
+        "by_outcome": load_stats.ttft_by_outcome(results),
         "stats": load_stats.stats_windows(lines, max(len(lines), 1))[0] if lines else None,
         "stats_windows": load_stats.stats_windows(lines, window),
         "metrics": load_stats.metric_window(snaps[0], snaps[-1]) if len(snaps) > 1 else None,

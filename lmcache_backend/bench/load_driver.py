@@ -61,6 +61,7 @@ async def _stream(client: Any, url: str, body: dict[str, Any], t0: float) -> dic
     start = time.perf_counter()
     times: list[float] = []
     parts: list[str] = []
+    response_id = None
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             detail = (await resp.aread()).decode(errors="replace")[:300]
@@ -74,6 +75,7 @@ async def _stream(client: Any, url: str, body: dict[str, Any], t0: float) -> dic
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
+            response_id = response_id or chunk.get("id")
             for choice in chunk.get("choices") or ():
                 text = (choice.get("delta") or {}).get("content") or ""
                 if text:
@@ -89,6 +91,7 @@ async def _stream(client: Any, url: str, body: dict[str, Any], t0: float) -> dic
         "text": "".join(parts),
         "start_s": start - t0,
         "end_s": end - t0,
+        "response_id": response_id,
     }
 
 

@@ -56,6 +56,46 @@ def summarize_phase(results: list[dict[str, Any]], wall_s: float) -> dict[str, A
     return out
 
 
+def attach_lines(results: list[dict[str, Any]], lines: list[dict[str, Any]]) -> None:
+    """Give each result the connector's verdict on its request (``blended``, ``reason``,
+    ``num_reusable``, ``blend_ms``): the ``stats_file`` line whose ``req_id`` is the response's
+    id (vLLM may append a suffix of its own); the last line counts (a preempted request is
+    blended again)."""
+    by_id: dict[str, dict[str, Any]] = {}
+    for line in lines:
+        rid = str(line.get("req_id") or "")
+        by_id[rid] = line
+        by_id["~" + rid.rsplit("-", 1)[0]] = line
+    for r in results:
+        rid = r.get("response_id") or ""
+        line = by_id.get(rid) or by_id.get(f"~{rid}")
+        if line is not None:
+            r["connector"] = {
+                "blended": _blended(line),
+                "reason": line.get("reason") or line.get("fallback_reason"),
+                "num_tokens": line.get("num_tokens"),
+                "num_reusable": line.get("num_reusable"),
+                "blend_ms": line.get("blend_ms"),
+            }
+
+
+def ttft_by_outcome(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """TTFT percentiles of the requests the connector blended and of the others (those matched
+    to a ``stats_file`` line)."""
+    out = {}
+    for name, want in (("blended", True), ("not_blended", False)):
+        ttft = [
+            r["ttft_s"]
+            for r in results
+            if r["ok"] and r["ttft_s"] is not None and r.get("connector", {}).get("blended") is want
+        ]
+        out[name] = {
+            "requests": len(ttft),
+            **{f"ttft_p{q}_s": percentile(ttft, q) for q in (50, 90)},
+        }
+    return out
+
+
 def throughput_windows(results: list[dict[str, Any]], window: int) -> list[dict[str, Any]]:
     """Requests per second over consecutive windows of ``window`` completed requests (in order of
     completion): the window's requests over the time since the previous window ended."""
@@ -95,6 +135,9 @@ def stats_windows(lines: list[dict[str, Any]], window: int) -> list[dict[str, An
                 "found_share": found / tokens if tokens else 0.0,
                 "reused_share": reused / tokens if tokens else 0.0,
                 "recomputed_tokens": sum(int(x.get("recomputed_reusable") or 0) for x in blended),
+                # the blends' own time: a synchronous blend holds up every running request
+                "blend_s": sum(float(x.get("blend_ms") or 0.0) for x in blended) / 1000.0,
+                "blend_ms_p50": percentile([float(x.get("blend_ms") or 0.0) for x in blended], 50),
                 "left_to_vllm": _count(x.get("reason") for x in chunk if not _blended(x)),
             }
         )

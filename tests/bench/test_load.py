@@ -110,13 +110,15 @@ def test_phase_summary_and_windows() -> None:
         (4, 4.0, 1.0),
     ]
     lines = [
-        {"blended": True, "num_tokens": 100, "num_reusable": 80, "recomputed_reusable": 12},
+        {"blended": True, "num_tokens": 100, "num_reusable": 80, "recomputed_reusable": 12}
+        | {"blend_ms": 250.0},
         {"blended": False, "reason": "would not pay", "num_tokens": 100, "num_reusable": 0},
         {"blended": True, "num_tokens": 100, "num_reusable": 90, "fallback_reason": "x"},
     ]
     (w1, w2) = load_stats.stats_windows(lines, 2)
     assert w1["blended_share"] == 0.5 and w1["reused_share"] == pytest.approx(0.4)
     assert w2["found_share"] == pytest.approx(0.9)  # found, but the blend fell back
+    assert w1["blend_s"] == 0.25 and w1["blend_ms_p50"] == 250.0 and w2["blend_ms_p50"] is None
     assert w1["left_to_vllm"] == {"would not pay": 1} and w1["recomputed_tokens"] == 12
     assert w2["requests"] == 3 and w2["blended_share"] == 0.0
     before = dict.fromkeys(load_stats.METRIC_COUNTERS, 0.0)
@@ -125,6 +127,22 @@ def test_phase_summary_and_windows() -> None:
     m = load_stats.metric_window(before, after)
     assert m["store_hit_rate"] == 0.75 and m["store_bytes"] == 7.0
     assert m["reused_share_of_blended"] is None
+
+
+def test_results_get_their_requests_stats_line_by_id() -> None:
+    results = [_result(i) | {"response_id": f"chatcmpl-{i}"} for i in range(3)]
+    lines = [
+        {"req_id": "chatcmpl-0-1a2b3c4d", "blended": False, "reason": "would not pay"},
+        {"req_id": "chatcmpl-1-9f8e7d6c", "blended": True, "num_reusable": 700, "blend_ms": 90},
+        {"req_id": "other-5", "blended": True},
+    ]
+    load_stats.attach_lines(results, lines)
+    assert results[0]["connector"]["reason"] == "would not pay"
+    assert results[1]["connector"]["blended"] and results[1]["connector"]["blend_ms"] == 90
+    assert "connector" not in results[2]
+    split = load_stats.ttft_by_outcome(results)
+    assert split["blended"]["requests"] == 1 and split["blended"]["ttft_p50_s"] == 0.2
+    assert split["not_blended"]["ttft_p50_s"] == 0.1
 
 
 class _FakeOpenAI(BaseHTTPRequestHandler):
