@@ -208,6 +208,15 @@ class CacheBlendPromMetrics(KVConnectorPromMetrics):
                 )
             self._metrics[name] = metric
         self._children: dict[tuple[int, str, str], Any] = {}
+        # every series whose labels are known shows from the start, at 0
+        from lmcache_backend.integration.vllm.scheduler import SKIP_REASONS
+
+        for engine_idx in per_engine_labelvalues:
+            for name, (kind, label, _) in METRICS.items():
+                if label is None and kind != GAUGE:
+                    self._child(engine_idx, name, "")
+            for reason in SKIP_REASONS:
+                self._child(engine_idx, "vllm:cacheblend_requests_left_to_vllm", reason)
 
     def _child(self, engine_idx: int, name: str, label: str) -> Any:
         key = (engine_idx, name, label)

@@ -67,6 +67,13 @@ def test_prometheus_metrics_add_each_payload_per_engine() -> None:
         ["model_name", "engine"],
         {0: ["m", "0"]},
     )
+    labels = {"model_name": "m", "engine": "0"}
+    value = registry.get_sample_value
+    # series with known labels show at 0 before anything happened
+    assert value("vllm:cacheblend_store_misses_total", labels) == 0
+    assert value("vllm:cacheblend_blend_seconds_count", labels) == 0
+    lora = {**labels, "reason": "lora"}
+    assert value("vllm:cacheblend_requests_left_to_vllm_total", lora) == 0
     step = CacheBlendStats()
     step.inc("vllm:cacheblend_requests_left_to_vllm", label="opted out")
     step.inc("vllm:cacheblend_reused_tokens", 700)
@@ -74,8 +81,6 @@ def test_prometheus_metrics_add_each_payload_per_engine() -> None:
     step.observe("vllm:cacheblend_blend_seconds", 0.03)
     prom.observe(step.to_dict(), 0)
     prom.observe(step.to_dict(), 0)
-    labels = {"model_name": "m", "engine": "0"}
-    value = registry.get_sample_value
     reason = {**labels, "reason": "opted out"}
     assert value("vllm:cacheblend_requests_left_to_vllm_total", reason) == 2
     assert value("vllm:cacheblend_reused_tokens_total", labels) == 1400
