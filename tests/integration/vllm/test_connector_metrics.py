@@ -119,3 +119,44 @@ def test_every_metric_is_documented() -> None:
     named = {name.removesuffix("_total") if kind == "counter" else name for name, kind in rows}
     assert named == set(METRICS)
     assert {kind for _, kind in rows} == {"counter", "gauge", "histogram"}
+
+
+def test_the_worker_hands_over_new_blends_and_store_activity_once() -> None:
+    import torch
+
+    from lmcache_backend.integration.vllm.stats import BlendRecord, BlendStats
+    from lmcache_backend.integration.vllm.worker import WorkerSide
+    from lmcache_backend.storage import MemoryTier, TieredStore
+    from lmcache_backend.storage.segments import SegmentKV
+
+    side = WorkerSide.__new__(WorkerSide)  # the metrics' state only, no engine
+    side.rank, side._records_counted, side._store_counted = 0, 0, {}
+    side.stats = BlendStats(num_layers=2, stats_file=None, profile=False)
+    side.store = TieredStore([MemoryTier("cpu", 1 << 20, name="cpu")])
+    kv = SegmentKV(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), 0)
+    side.store.put("ab" * 16, kv)
+    side.store.get("ab" * 16)
+    side.store.get("cd" * 16)
+
+    def record(fallback=None) -> BlendRecord:
+        return BlendRecord("r", 1000, 0, 900, 900, 180, 0.2, 0.3, fallback, 250.0)
+
+    side.stats.records += [record(), record("no cached segment")]
+    out = side.take_metrics().data
+    assert out["counters"] == {
+        "vllm:cacheblend_blend_fallbacks": {"": 1},
+        "vllm:cacheblend_requests_blended": {"": 1},
+        "vllm:cacheblend_prompt_tokens": {"": 1000},
+        "vllm:cacheblend_reused_tokens": {"": 720},
+        "vllm:cacheblend_recomputed_tokens": {"": 180},
+        "vllm:cacheblend_store_hits": {"cpu": 1},
+        "vllm:cacheblend_store_stored": {"cpu": 1},
+        "vllm:cacheblend_store_stored_bytes": {"cpu": kv.nbytes},
+        "vllm:cacheblend_store_misses": {"": 1},
+    }
+    assert out["gauges"] == {"vllm:cacheblend_store_bytes": {"cpu": kv.nbytes}}
+    assert out["observations"] == {"vllm:cacheblend_blend_seconds": [0.25]}
+    assert side.take_metrics() is None, "nothing new"
+    side.rank = 1
+    side.stats.records.append(record())
+    assert side.take_metrics() is None, "only rank 0 reports"
