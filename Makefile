@@ -2,6 +2,8 @@
 #             embedded model and send RAG chats: CacheBlend vs full prefill (TTFT, answers)
 # make test   create .venv if needed, install, lint and run the test suite (CPU)
 # make bench  create .venv if needed, install, run the benchmarks
+# make bench-load  concurrent streaming RAG chats against one server: full prefill, vLLM's prefix
+#                  caching and CacheBlend, 1,000 requests each (hours on 2 cores)
 # make gpu-check  on a machine with an NVIDIA GPU: create .venv-gpu (vLLM VLLM_VERSION with its CUDA
 #                 torch, triton, this package), run the device tests (no skips allowed), the kernel
 #                 timings, verify per attention backend and the 8B config; append to docs/hardware.md
@@ -16,7 +18,7 @@ STAMP := $(VENV)/.lmcache-backend-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test bench lint install clean gpu-check npu-check hardware-dry-run
+.PHONY: demo test bench bench-load lint install clean gpu-check npu-check hardware-dry-run
 
 # The newest vLLM release with a code path here (lmcache_backend/compat/vllm.py); another one:
 # make gpu-check VLLM_VERSION=0.28.0
@@ -66,6 +68,11 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(VENV)/bin/lmcache-backend bench --repeats 3 --sweep --sweep-repeats 1 \
 		--json out/bench/bench.json --plots out/bench
+
+# Load: 4 closed-loop clients, 1,000 requests per phase (docs/benchmarks.md, "Load").
+bench-load: $(STAMP)
+	$(VENV)/bin/lmcache-backend bench --load --clients 4 --requests 1000 \
+		--json out/bench-load/load.json --plots out/bench-load
 
 $(GPU_STAMP): setup.py pyproject.toml
 	test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)

@@ -174,9 +174,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "full prefill on the same engine (python -m lmcache_backend.bench.profile; takes "
         "--repeats and --sweep-tokens)",
     )
-    from lmcache_backend.bench import clients
+    from lmcache_backend.bench import clients, load
 
     clients.add_arguments(parser)
+    load.add_arguments(parser)
 
 
 def strategies_from_args(args: argparse.Namespace) -> list[Strategy]:
@@ -305,6 +306,11 @@ def run(
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``lmcache-backend bench``."""
+    if getattr(args, "load", False):
+        from lmcache_backend.bench import load
+
+        load.run(args)
+        return 0
     if getattr(args, "client", None):
         from lmcache_backend.bench import clients
 

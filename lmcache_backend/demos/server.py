@@ -165,12 +165,16 @@ class ServerProcess:
         self.stop()
 
 
-def metric_total(metrics_text: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples over its labels (``vllm:num_preemptions_total``)."""
+def metric_total(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples over its labels (``vllm:num_preemptions_total``),
+    or over the samples carrying every label given (``reason="opted out"``)."""
     total = 0.0
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
     for line in metrics_text.splitlines():
         if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
+            head = line.rsplit(" ", 1)[0]
+            if all(w in head for w in wanted):
+                total += float(line.rsplit(" ", 1)[1])
     return total
 
 

@@ -41,6 +41,11 @@ class TieredStore(SegmentStore):
         self._stats_lock = threading.Lock()
         self._hits = {t.name: 0 for t in self.tiers}
         self._misses = 0
+        self._stored = {t.name: 0 for t in self.tiers}
+        self._stored_bytes = {t.name: 0 for t in self.tiers}
+        self._evicted = {t.name: 0 for t in self.tiers}
+        for tier in self.tiers:
+            tier.add_evict_listener(self._counter_of(tier.name))
         for tier in self.local_tiers:
             tier.add_evict_listener(self._on_evicted)
         if index is not None:
@@ -50,6 +55,13 @@ class TieredStore(SegmentStore):
                     index.add(key)
 
     # -- index upkeep ------------------------------------------------------------------------
+
+    def _counter_of(self, name: str):
+        def count(key: str) -> None:
+            with self._stats_lock:
+                self._evicted[name] += 1
+
+        return count
 
     def _on_evicted(self, key: str) -> None:
         # The marker goes only when no local tier holds the segment any more.
@@ -92,6 +104,10 @@ class TieredStore(SegmentStore):
                 ok = False
             stored |= ok
             stored_locally |= ok and not tier.shared
+            if ok:
+                with self._stats_lock:
+                    self._stored[tier.name] += 1
+                    self._stored_bytes[tier.name] += src.nbytes
         if stored_locally and self.index is not None:
             self.index.add(key)
         return stored
@@ -125,12 +141,17 @@ class TieredStore(SegmentStore):
         return sum(t.nbytes for t in self.local_tiers)
 
     def stats(self) -> dict:
-        """Hits per tier, misses, bytes per tier, and the values a shared tier refused for a
-        missing or wrong authentication tag (``rejected``)."""
+        """Hits per tier, misses, bytes held per tier, entries (``stored``) and their bytes
+        (``stored_bytes``) written to each tier, entries that left each tier (``evicted``:
+        evicted, or removed as corrupted), and the values a shared tier refused for a missing or
+        wrong authentication tag (``rejected``). Counts are since the store was built."""
         with self._stats_lock:
             return {
                 "hits": dict(self._hits),
                 "misses": self._misses,
+                "stored": dict(self._stored),
+                "stored_bytes": dict(self._stored_bytes),
+                "evicted": dict(self._evicted),
                 "bytes": {t.name: t.nbytes for t in self.tiers},
                 "rejected": {t.name: t.rejected for t in self.tiers if hasattr(t, "rejected")},
             }

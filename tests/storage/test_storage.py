@@ -327,6 +327,24 @@ def test_tiered_store_writes_through_and_promotes_on_hit(tmp_path):
     assert store.lookup([k[0], k[1], key_of(199)]) == [True, True, False]
 
 
+def test_tiered_store_counts_stores_and_evictions_per_tier(tmp_path):
+    store, (dev, cpu, disk) = _tiered(tmp_path)
+    k = [key_of(120 + i) for i in range(6)]
+    for key in k:
+        store.put(key, make_kv(key))
+    size = make_kv(k[0]).nbytes
+    stats = store.stats()
+    assert stats["stored"] == {"device": 6, "cpu": 6, "disk": 6}
+    assert stats["stored_bytes"] == {"device": 6 * size, "cpu": 6 * size, "disk": 6 * size}
+    # the device tier holds 2 entries, the CPU tier 4, the disk all 6
+    assert stats["evicted"] == {"device": 4, "cpu": 2, "disk": 0}
+    assert stats["bytes"]["device"] == 2 * size
+    store.get(k[0])  # a disk hit, copied into both memory tiers: each evicts one more
+    stats = store.stats()
+    assert stats["stored"] == {"device": 7, "cpu": 7, "disk": 6}
+    assert stats["evicted"] == {"device": 5, "cpu": 3, "disk": 0}
+
+
 def test_tiered_store_index_follows_evictions(tmp_path):
     # memory tiers only: when the CPU tier evicts, nothing else holds the segment
     store, (dev, cpu, _) = _tiered(tmp_path)

@@ -17,6 +17,7 @@ store's cross-process index.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any
@@ -32,6 +33,7 @@ from lmcache_backend.compat.gate import admit
 from lmcache_backend.config import ConfigError
 from lmcache_backend.integration.vllm.layouts import LayerCache
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata
+from lmcache_backend.integration.vllm.metrics import CacheBlendPromMetrics, CacheBlendStats
 from lmcache_backend.integration.vllm.scheduler import SchedulerSide
 from lmcache_backend.integration.vllm.settings import load_settings
 from lmcache_backend.integration.vllm.worker import WorkerSide
@@ -199,6 +201,29 @@ class CacheBlendConnector(KVConnectorBase_V1):
         meta = self.profile.step_metadata(self)
         for spec in getattr(meta, "saves", ()):
             self._worker.save(spec)
+
+    # -- metrics (vLLM's /metrics; see .metrics) ---------------------------------------------
+
+    def get_kv_connector_stats(self) -> CacheBlendStats | None:
+        # vLLM calls this after every step on both sides: each hands over what is new
+        if self._scheduler is not None:
+            return self._scheduler.take_metrics()
+        return self._worker.take_metrics()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> CacheBlendStats:
+        # a copy: vLLM's log accumulator adds later intervals into the object it is given
+        return CacheBlendStats(data=copy.deepcopy(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> CacheBlendPromMetrics:
+        return CacheBlendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

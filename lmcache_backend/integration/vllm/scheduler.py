@@ -41,6 +41,7 @@ from lmcache_backend.blend.pays import estimate_blend
 from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
+from lmcache_backend.integration.vllm.metrics import CacheBlendStats, take
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
 from lmcache_backend.integration.vllm.stats import append_json_line
 from lmcache_backend.models.fingerprint import ModelFingerprint
@@ -129,7 +130,11 @@ class SchedulerSide:
         self._salts: dict[str, str | None] = {}
         # requests left to vLLM -> why (recorded once per request)
         self._skipped: dict[str, str] = {}
+        # request -> (why it is left to vLLM, or None: claimed; claimed tokens), the latest
+        # decision, counted in the metrics when the request finishes
+        self._decisions: dict[str, tuple[str | None, int]] = {}
         self.stats = ClaimStats()
+        self._metrics = CacheBlendStats()
 
     # -- claims ---------------------------------------------------------------------------
 
@@ -213,6 +218,7 @@ class SchedulerSide:
             cache_salt=salt,
         )
         self._skipped.pop(rid, None)
+        self._decisions[rid] = (None, claim)
         self.stats.claimed_requests += 1
         self.stats.claimed_tokens += claim
         logger.info(
@@ -242,6 +248,7 @@ class SchedulerSide:
     ) -> None:
         """Record that ``rid`` is left to vLLM, once per request (vLLM may ask again while the
         request waits for blocks). ``reason`` is one of :data:`SKIP_REASONS`."""
+        self._decisions[rid] = (reason, 0)
         if self._skipped.get(rid) == reason:
             return
         self._skipped[rid] = reason
@@ -363,6 +370,11 @@ class SchedulerSide:
             claim.cache_salt,
         )
 
+    def take_metrics(self) -> CacheBlendStats | None:
+        """The requests finished since the last call, for vLLM's metrics (None: none)."""
+        stats, self._metrics = take(self._metrics)
+        return stats
+
     def shutdown(self) -> None:
         """The engine stops: close the lookups, removing each rank's index folder once its
         worker has ended (vLLM may SIGKILL a worker that outlives the engine)."""
@@ -375,6 +387,15 @@ class SchedulerSide:
         self._tracked.pop(rid, None)
         self._salts.pop(rid, None)
         self._skipped.pop(rid, None)
+        decision = self._decisions.pop(rid, None)
+        if decision is not None:
+            reason, claimed = decision
+            self._metrics.inc("vllm:cacheblend_requests")
+            if reason is None:
+                self._metrics.inc("vllm:cacheblend_requests_claimed")
+                self._metrics.inc("vllm:cacheblend_claimed_tokens", claimed)
+            else:
+                self._metrics.inc("vllm:cacheblend_requests_left_to_vllm", label=reason)
         # vLLM frees the blocks of a request aborted while loading only once a worker reports
         # it in finished_recving: a load not yet planned is planned and cancelled in one step
         # (workers start a step's loads before its cancels), one in flight is dropped by the

@@ -34,6 +34,7 @@ from lmcache_backend.integration.vllm.layouts import (
 )
 from lmcache_backend.integration.vllm.loads import Loads
 from lmcache_backend.integration.vllm.metadata import LoadSpec, SaveSpec
+from lmcache_backend.integration.vllm.metrics import CacheBlendStats
 from lmcache_backend.integration.vllm.model_tracker import ENGINE_NAME, ModelTracker
 from lmcache_backend.integration.vllm.paged_target import PagedCacheTarget
 from lmcache_backend.integration.vllm.saves import SegmentSaver
@@ -67,6 +68,10 @@ class WorkerSide:
         self.stats: BlendStats | None = None
         self.saver: SegmentSaver | None = None
         self.loads: Loads | None = None
+        self.rank = 0
+        # what the metrics have already counted: records, the store's cumulative stats
+        self._records_counted = 0
+        self._store_counted: dict = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -156,6 +161,7 @@ class WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self.settings.tp_size > 1 else 0
+        self.rank = rank
         # the blender only reads its hits (it copies them into one buffer per request): memory
         # tiers need not copy each hit first, unless the user's extra_config says otherwise
         config = self.settings.config
@@ -250,6 +256,42 @@ class WorkerSide:
         """Store the segments of ``spec``'s prompt the store lacks; returns how many."""
         self._ensure_ready()
         return self.saver.save(spec)
+
+    def take_metrics(self) -> CacheBlendStats | None:
+        """The blends and store activity since the last call, for vLLM's metrics (None:
+        nothing new). Only tensor-parallel rank 0 reports: every rank blends the same requests."""
+        if self.stats is None or self.rank != 0:
+            return None
+        out = CacheBlendStats()
+        records = self.stats.records
+        for record in records[self._records_counted :]:
+            if record.fallback_reason is not None:
+                out.inc("vllm:cacheblend_blend_fallbacks")
+                continue
+            out.inc("vllm:cacheblend_requests_blended")
+            out.inc("vllm:cacheblend_prompt_tokens", record.num_tokens)
+            out.inc(
+                "vllm:cacheblend_reused_tokens", record.num_reusable - record.recomputed_reusable
+            )
+            out.inc("vllm:cacheblend_recomputed_tokens", record.recomputed_reusable)
+            out.observe("vllm:cacheblend_blend_seconds", record.blend_ms / 1000.0)
+        self._records_counted = len(records)
+        store = self.store.stats() if hasattr(self.store, "stats") else {}
+        last = self._store_counted
+        for key, name in (
+            ("hits", "vllm:cacheblend_store_hits"),
+            ("stored", "vllm:cacheblend_store_stored"),
+            ("stored_bytes", "vllm:cacheblend_store_stored_bytes"),
+            ("evicted", "vllm:cacheblend_store_evictions"),
+        ):
+            for tier, value in store.get(key, {}).items():
+                out.inc(name, value - last.get(key, {}).get(tier, 0), tier)
+        out.inc("vllm:cacheblend_store_misses", store.get("misses", 0) - last.get("misses", 0))
+        for tier, value in store.get("bytes", {}).items():
+            if value != last.get("bytes", {}).get(tier):  # a gauge: sent when it changes
+                out.set_gauge("vllm:cacheblend_store_bytes", value, tier)
+        self._store_counted = store
+        return None if out.is_empty() else out
 
     @property
     def records(self) -> list[BlendRecord]:

@@ -227,6 +227,66 @@ def test_completions_text_prompt_is_blended(server, rag, warmed) -> None:
     assert reply.text.strip()
 
 
+CONNECTOR_COUNTERS = (
+    "vllm:cacheblend_requests_total",
+    "vllm:cacheblend_requests_blended_total",
+    "vllm:cacheblend_reused_tokens_total",
+    "vllm:cacheblend_prompt_tokens_total",
+    "vllm:cacheblend_blend_seconds_count",
+    "vllm:cacheblend_store_hits_total",
+    "vllm:cacheblend_store_stored_total",
+)
+
+
+def _counters(server) -> dict[str, float]:
+    text = server.metrics()
+    out = {name: metric_total(text, name) for name in CONNECTOR_COUNTERS}
+    out["opted out"] = metric_total(
+        text, "vllm:cacheblend_requests_left_to_vllm_total", reason="opted out"
+    )
+    return out
+
+
+def _counters_after(server, before: dict, until, timeout_s: float = 20.0) -> dict:
+    """The counters' increments since ``before``, once ``until(increments)`` holds (the engine
+    sends them with a step's output: the API server may add them just after the reply)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = _counters(server)
+        delta = {k: now[k] - before[k] for k in now}
+        if until(delta) or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.2)
+
+
+def test_metrics_count_opted_out_and_blended_requests(server, rag, warmed) -> None:
+    """The connector's counters reach vLLM's Prometheus /metrics (served by the API server,
+    counted in the engine and its worker)."""
+    from lmcache_backend.data.examples import reordered
+
+    docs = reordered(warmed.chunks, seed=8)
+    before = _counters(server)
+    rag.ask(warmed.system, docs, warmed.question, max_tokens=2, params={"blend": False})
+    delta = _counters_after(server, before, lambda d: d["opted out"] >= 1)
+    assert delta["opted out"] == 1 and delta["vllm:cacheblend_requests_total"] == 1, delta
+    assert delta["vllm:cacheblend_requests_blended_total"] == 0, delta
+    records = len(server.stats())
+    rag.ask(warmed.system, docs, warmed.question, max_tokens=2)
+    delta = _counters_after(
+        server, before, lambda d: d["vllm:cacheblend_requests_blended_total"] >= 1
+    )
+    (record,) = server.stats()[records:]
+    assert record["blended"] is True, record
+    assert delta["vllm:cacheblend_requests_blended_total"] == 1, delta
+    assert delta["vllm:cacheblend_requests_total"] == 2 and delta["opted out"] == 1, delta
+    assert delta["vllm:cacheblend_prompt_tokens_total"] == record["num_tokens"], delta
+    reused = record["num_reusable"] - record["recomputed_reusable"]
+    assert delta["vllm:cacheblend_reused_tokens_total"] == reused > 0, delta
+    assert delta["vllm:cacheblend_blend_seconds_count"] == 1, delta
+    assert delta["vllm:cacheblend_store_hits_total"] >= 1, delta
+    assert metric_total(server.metrics(), "vllm:cacheblend_store_bytes", tier="cpu") > 0
+
+
 def test_ratio_one_equals_full_prefill(server, rag, warmed) -> None:
     """Recomputing every reusable token reproduces vLLM's own prefill, greedy, same server.
 

@@ -1,0 +1,248 @@
+"""``lmcache-backend bench --load``: many concurrent RAG chats against one server.
+
+Starts ``lmcache-backend serve`` (or targets ``--url``) and runs phases on that one server, each
+over a corpus of its own (``--corpus-chunks`` fictional profiles: every phase starts cold) with
+Zipf popularity, ``--requests`` streaming chats each:
+
+* ``full``: every request opted out (``kv_transfer_params={"blend": false}``) and carrying a
+  ``cache_salt`` of its own, so neither vLLM's prefix cache nor the store serves it;
+* ``prefix``: opted out, no salt: vLLM's prefix caching alone (the server runs with it on);
+* ``blend``: CacheBlend with the server's settings (prefix caching stays on).
+
+Per phase: requests/s, TTFT p50/p90/p99 and inter-token latency p99 (client side), errors, the
+share of requests blended and of prompt tokens reused per window of requests (the server's
+``stats_file``), the store's hit rate, bytes stored and evictions (``/metrics``), and answers
+holding another request's number. See ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lmcache_backend.bench import load_stats
+from lmcache_backend.bench.load_driver import PhaseSpec, run_phase
+from lmcache_backend.bench.load_workload import build_requests, corpus
+
+PHASES = {
+    "full": PhaseSpec("full prefill", params={"blend": False}, unique_salt=True),
+    "prefix": PhaseSpec("prefix caching", params={"blend": False}),
+    "blend": PhaseSpec("cacheblend"),
+}
+SERVER_ARGS = ["--enable-prefix-caching", "--max-model-len", "4096"]
+
+
+def add_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> None:
+    """The ``--load`` flags (``standalone``: also those ``bench`` already has)."""
+    g = parser.add_argument_group("load benchmark (--load)")
+    if not standalone:
+        g.add_argument(
+            "--load",
+            action="store_true",
+            help="instead: concurrent streaming RAG chats against one server, per phase",
+        )
+    g.add_argument("--clients", type=int, default=4, help="closed-loop clients (default: 4)")
+    g.add_argument(
+        "--rate", type=float, default=None, help="open loop: Poisson arrivals, requests per second"
+    )
+    g.add_argument("--requests", type=int, default=1000, help="requests per phase (default: 1000)")
+    g.add_argument(
+        "--corpus-chunks", type=int, default=200, help="chunks in each phase's corpus (200)"
+    )
+    g.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of popularity (1.0)")
+    g.add_argument("--k", type=int, default=5, help="corpus chunks per request (default: 5)")
+    g.add_argument(
+        "--phases", default="full,prefix,blend", help="comma list of full, prefix, blend"
+    )
+    g.add_argument("--stream-tokens", type=int, default=32, help="tokens per answer (32)")
+    g.add_argument("--window", type=int, default=100, help="requests per window (default: 100)")
+    g.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    if standalone:
+        parser.add_argument("--url", help="a running server (default: start one here)")
+        parser.add_argument(
+            "--stats-file",
+            help="the running server's stats_file (with --url), or where the "
+            "started server writes it",
+        )
+        parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE")
+        parser.add_argument("--eager", action="store_true", help="start the server eager")
+        parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
+        parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _phases(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in PHASES]
+    if bad or not names:
+        raise SystemExit(f"bench: unknown --phases {bad}: choose from {', '.join(PHASES)}")
+    return names
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.requests < 1 or args.k < 1 or args.window < 1 or args.stream_tokens < 2:
+        raise SystemExit("bench: --requests, --k and --window must be >= 1, --stream-tokens >= 2")
+    if args.k > args.corpus_chunks:
+        raise SystemExit(f"bench: --k {args.k} exceeds --corpus-chunks {args.corpus_chunks}")
+    if args.rate is not None and args.rate <= 0:
+        raise SystemExit("bench: --rate must be > 0")
+
+
+def _lines(path: Path | None) -> list[dict[str, Any]]:
+    from lmcache_backend.bench.client_common import StatsFile
+
+    return StatsFile(path).lines()
+
+
+def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
+    """Run the phases the flags ask for; print the table and return every number."""
+    from lmcache_backend.bench.clients import served_model
+    from lmcache_backend.demos.server import ServerProcess
+
+    _check(args)
+    names = _phases(args.phases)
+    env = dict(item.split("=", 1) for item in args.server_env)
+    tmp = tempfile.TemporaryDirectory(prefix="lmcache-backend-load-")
+    server = None
+    stats_path = Path(args.stats_file) if getattr(args, "stats_file", None) else None
+    if args.url:
+        url = args.url.rstrip("/")
+        if stats_path is None:
+            print("no --stats-file: blended and reused shares are left out", file=out)
+    else:
+        vllm_args = SERVER_ARGS + (["--enforce-eager"] if args.eager else [])
+        stats_path = stats_path or Path(tmp.name) / "blend.jsonl"
+        server = ServerProcess(
+            vllm_args, env=env, stats_file=stats_path, log_path=Path(tmp.name) / "server.log"
+        )
+        print(f"starting lmcache-backend serve on {server.base_url} ...", file=out, flush=True)
+        server.start(timeout_s=600)
+        url = server.base_url
+    result: dict[str, Any] = {
+        "setup": {
+            "url": url,
+            "server_args": None if args.url else server.cmd[3:],
+            "server_env": env,
+            "mode": f"open loop, {args.rate}/s" if args.rate else f"{args.clients} clients",
+            "cpu_count": os.cpu_count(),
+            "load_before": os.getloadavg(),
+        },
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "phases": {},
+    }
+    run_id = f"load{int(time.time())}"
+    try:
+        model, _ = served_model(url)
+        result["setup"]["model"] = model
+        _warm_up(url, model, args.stream_tokens)
+        for i, key in enumerate(names):
+            spec = PHASES[key]
+            chunks = corpus(args.corpus_chunks, seed=args.seed * 100 + i)
+            reqs = build_requests(
+                chunks,
+                args.requests,
+                args.k,
+                args.zipf,
+                seed=args.seed * 100 + i,
+                first_badge=1 + i * args.requests,
+            )
+            before = len(_lines(stats_path))
+            print(f"phase {spec.name}: {len(reqs)} requests ...", file=out, flush=True)
+            phase = _run_one(url, model, spec, reqs, args, run_id)
+            lines = _lines(stats_path)[before:]
+            result["phases"][spec.name] = _phase_result(spec, phase, lines, args.window)
+            row = load_stats.format_table({spec.name: result["phases"][spec.name]})
+            print(row.split("\n")[-1], file=out, flush=True)
+    except Exception:
+        if server is not None:
+            print(f"server log (last lines):\n{server.log_tail()}", file=out)
+        raise
+    finally:
+        if server is not None:
+            server.stop()
+        tmp.cleanup()
+    result["setup"]["load_after"] = os.getloadavg()
+    print(load_stats.format_table(result["phases"]), file=out)
+    print(load_stats.LEGEND, file=out)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
+    if args.plots:
+        from lmcache_backend.bench.load_plots import write_load_plots
+
+        for path in write_load_plots(result, args.plots):
+            print(f"wrote {path}", file=out)
+    return result
+
+
+def _warm_up(url: str, model: str, max_tokens: int) -> None:
+    """One small request, so that no phase pays the server's first-request costs."""
+    import httpx
+
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": max_tokens,
+        "kv_transfer_params": {"blend": False},
+    }
+    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).raise_for_status()
+
+
+def _run_one(url, model, spec, reqs, args, run_id) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    with tqdm(total=len(reqs), unit="req", disable=args.no_progress, file=sys.stderr) as bar:
+        return asyncio.run(
+            run_phase(
+                url,
+                model,
+                spec,
+                reqs,
+                clients=args.clients,
+                rate=args.rate,
+                max_tokens=args.stream_tokens,
+                window=args.window,
+                seed=args.seed,
+                run_id=run_id,
+                progress=bar.update,
+            )
+        )
+
+
+def _phase_result(spec: PhaseSpec, phase: dict, lines: list[dict], window: int) -> dict:
+    results = phase["results"]
+    load_stats.attach_lines(results, lines)
+    snaps = [s for s in phase["snapshots"] if "error" not in s]
+    windows = [
+        {"requests": b["requests"], "t_s": b["t_s"], **load_stats.metric_window(a, b)}
+        for a, b in zip(snaps, snaps[1:])
+    ]
+    return {
+        "spec": {"params": spec.params, "unique_salt": spec.unique_salt},
+        "summary": load_stats.summarize_phase(results, phase["wall_s"]),
+        "by_outcome": load_stats.ttft_by_outcome(results),
+        "stats": load_stats.stats_windows(lines, max(len(lines), 1))[0] if lines else None,
+        "stats_windows": load_stats.stats_windows(lines, window),
+        "metrics": load_stats.metric_window(snaps[0], snaps[-1]) if len(snaps) > 1 else None,
+        "metric_windows": windows,
+        "throughput_windows": load_stats.throughput_windows(results, window),
+        "requests": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lmcache_backend.bench.load")
+    add_arguments(parser, standalone=True)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
