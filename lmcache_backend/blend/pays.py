@@ -17,7 +17,9 @@ of ``T`` tokens, of which ``R`` come from the store, costs:
 A full prefill computes the ``T - prefix`` tokens vLLM's prefix cache does not hold, in every
 layer. The claim is made when the blend's share stays within ``blend_max_cost``; a claim that
 would not pay is left to vLLM and recorded with its reason, so that small accidental matches
-(boilerplate sentences two prompts share) never make a request slower.
+(boilerplate sentences two prompts share) never make a request slower. A request that sets its
+own blend settings in ``kv_transfer_params`` (e.g. ratio 1.0 to check exactness) asked for that
+blend: the vLLM connector claims it whenever it reuses ``blend_min_tokens``.
 """
 
 from __future__ import annotations

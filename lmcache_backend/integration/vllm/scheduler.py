@@ -187,6 +187,7 @@ class SchedulerSide:
         estimate = estimate_blend(
             len(tokens), num_computed_tokens, end, reused, config, self.settings.num_layers
         )
+        own_settings = config if config is not self.settings.config else None
         kind = detail = None
         if reused == 0:
             kind = "no reusable span"
@@ -195,7 +196,9 @@ class SchedulerSide:
         elif reusable < config.blend_min_tokens:
             kind = "below blend_min_tokens"
             detail = f"{reusable} reusable tokens < {config.blend_min_tokens}"
-        elif estimate.cost_share > config.blend_max_cost:
+        elif own_settings is None and estimate.cost_share > config.blend_max_cost:
+            # a request that sets its own blend settings (e.g. ratio 1.0 to check exactness)
+            # asked for that blend: it is claimed whenever it reuses enough
             kind = "would not pay"
             detail = (
                 f"predicted {estimate.cost_share:.0%} of a full prefill's token-layers > "
@@ -206,13 +209,12 @@ class SchedulerSide:
             self._skip(rid, len(tokens), kind, detail, reusable, len(hits), estimate.cost_share)
             return 0
         claim = end - num_computed_tokens
-        own = config is not self.settings.config  # the request overrides the engine's settings
         self._claims[rid] = _Claim(
             token_ids=tokens,
             prefix_len=num_computed_tokens,
             end=end,
             reusable=reusable,
-            config=config if own else None,
+            config=own_settings,
             sliced=self.settings.blend_layers_per_step > 0
             and config.blend_selection in PREVIEW_SELECTIONS,
             cache_salt=salt,

@@ -143,3 +143,17 @@ def test_new_text_inside_the_claim_is_claimed_only_while_it_pays(scheduler) -> N
     assert line["req_id"] == "more" and line["reason"] == "would not pay"
     assert line["predicted_cost_share"] > side.settings.config.blend_max_cost
     assert "blend_max_cost=0.6" in line["detail"]
+
+
+def test_a_request_with_its_own_settings_is_claimed_whatever_the_cost(scheduler) -> None:
+    """``kv_transfer_params`` blend settings (e.g. ratio 1.0 to check exactness) ask for that
+    blend: only blend_min_tokens applies."""
+    side = scheduler
+    tokens = list(range(1000, 1800))
+    _hold(side, tokens, 800)
+    assert side.num_new_matched_tokens(_request("one", tokens), 0) == 784
+    own = {"blend_recompute_ratios": [1.0]}
+    assert side.num_new_matched_tokens(_request("exact", tokens, own), 0) == 784
+    more = tokens[:160] + list(range(6000, 6450)) + tokens[610:]
+    assert side.num_new_matched_tokens(_request("more", more, own), 0) > 0
+    assert not os.path.exists(side.settings.stats_file)

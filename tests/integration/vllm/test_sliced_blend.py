@@ -87,7 +87,7 @@ def _scheduler(settings):
 
 
 def _request(settings, rid="r", **params):
-    sep = settings.separator
+    sep = settings.separator.separator  # the default (auto) pattern's separator
     tokens = list(range(100, 140)) + list(sep.ids) + list(range(200, 240)) + list(sep.ids)
     tokens += list(range(300, 310))
     return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, kv_transfer_params=params)
