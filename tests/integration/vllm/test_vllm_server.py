@@ -184,7 +184,7 @@ def warmed(rag, example):
 
 def _tail_start(rag, prompt: list[int]) -> int:
     """Where the prompt's query tail starts: the connector claims the tokens before it."""
-    from lmcache_backend.blend.segmenting import segment_pattern
+    from lmcache_backend.blend.patterns import segment_pattern
 
     return segment_pattern(rag.tokenizer, " # # ").query_start(prompt)
 
