@@ -136,6 +136,8 @@ def verify_vllm(
     extra = {
         "enable_blending": True,
         "blend_min_tokens": min(config.blend_min_tokens, 16),
+        # exactness is checked, not speed: ratio 1.0 costs more than a full prefill
+        "blend_max_cost": 100.0,
         **(extra_config or {}),
     }
     longest = max(len(p) for pair in prompts for p in pair)
@@ -181,10 +183,15 @@ def verify_vllm(
                 shared = set(a) & set(b)
                 s["diffs"].append(max((abs(a[t] - b[t]) for t in shared), default=math.inf))
                 s["agree"] += int(list(out.outputs[0].token_ids) == row["reference"])
+                if record is not None and not record.get("blended", True):
+                    reason = record.get("reason", "")
+                    record = None  # left to vLLM: nothing was blended
+                else:
+                    reason = ""
                 claimed = record is not None and out.num_cached_tokens == (
                     record["prefix_len"] + record["claimed"]
                 )
-                s["fb"].append(None if claimed else "not claimed by the connector")
+                s["fb"].append(None if claimed else f"not claimed by the connector {reason}")
                 if record is not None:
                     s["fb"][-1] = s["fb"][-1] or record["fallback_reason"]
                 s["fr"].append(record["recompute_fraction"] if record else 0.0)
