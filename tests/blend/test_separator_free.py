@@ -1,4 +1,4 @@
-"""Separator-free reuse (``blend_segmentation`` auto or blocks): token blocks found at any offset."""
+"""Separator-free reuse (``blend_segmentation`` auto or blocks): blocks found at any offset."""
 
 from __future__ import annotations
 
