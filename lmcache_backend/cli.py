@@ -29,7 +29,12 @@ def _bench(args: argparse.Namespace) -> int:
 def _model_path(args: argparse.Namespace) -> int:
     from lmcache_backend.data.embedded import embedded_model_path
 
-    print(embedded_model_path())
+    try:
+        print(embedded_model_path(args.name))
+    except (KeyError, FileNotFoundError) as exc:
+        message = exc.args[0] if exc.args else str(exc)
+        print(f"lmcache-backend model-path: {message}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -91,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("vllm_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("model-path", help="print a folder holding the embedded model")
+    p = sub.add_parser("model-path", help="print a folder holding an embedded model")
+    p.add_argument("name", nargs="?", default=None, help="smollm2 (default) or gemma3-270m")
     p.set_defaults(func=_model_path)
 
     p = sub.add_parser("config", help="print the effective configuration and its sources")

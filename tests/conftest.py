@@ -20,6 +20,19 @@ if DEVICE == "cpu":
 
 import pytest  # noqa: E402
 
+#: set to 1 to run the tests marked ``real_model`` (they need an embedded model's package and
+#: run engines on it for minutes)
+REAL_MODELS_VARIABLE = "LMCACHE_TEST_REAL_MODELS"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if os.environ.get(REAL_MODELS_VARIABLE) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"opt-in: set {REAL_MODELS_VARIABLE}=1 to run")
+    for item in items:
+        if "real_model" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture
 def device() -> torch.device:

@@ -71,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serving engine (default: hf, transformers on this machine)",
     )
     parser.add_argument(
+        "--model",
+        metavar="PATH|NAME",
+        default=None,
+        help="model folder, hub name or embedded model (smollm2, gemma3-270m; default: smollm2)",
+    )
+    parser.add_argument(
         "--dataset",
         metavar="FILE.jsonl",
         help="RAG examples, one JSON object a line; 'dev' for the shipped dev set "
@@ -238,7 +244,7 @@ def run(
         args.sweep, examples = True, []
     strategies = strategies_from_args(args)
     try:
-        engine = engine or create_engine(args.engine, config)
+        engine = engine or create_engine(args.engine, config, getattr(args, "model", None))
     except EngineUnavailable as exc:
         raise SystemExit(f"bench: {exc}") from None
     _validate(args, engine.num_layers)

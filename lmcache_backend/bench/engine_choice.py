@@ -1,4 +1,5 @@
-"""The benchmark's engines by name: ``create_engine("hf" | "vllm")`` on the embedded model."""
+"""The benchmark's engines by name: ``create_engine("hf" | "vllm", model=...)``, on the embedded
+model unless another is named."""
 
 from __future__ import annotations
 
@@ -33,24 +34,37 @@ def vllm_engine_problem() -> str | None:
     return None
 
 
-def create_engine(name: str, config=None) -> BenchEngine:
-    """The engine called ``name`` on the embedded model.
+def create_engine(name: str, config=None, model: str | None = None) -> BenchEngine:
+    """The engine called ``name`` on ``model``: a folder, a hub name or an embedded model's
+    name (``gemma3-270m``); None: the default embedded model.
 
     Raises:
-        EngineUnavailable: the engine's packages are missing (the message says which).
+        EngineUnavailable: the engine's packages, or the named embedded model's, are missing
+            (the message says which).
     """
-    if name == "hf":
-        from lmcache_backend.bench.hf_engine import HFEngine
-        from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, load_embedded_model
+    if name not in ENGINE_CHOICES:
+        raise EngineUnavailable(
+            f"unknown engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}"
+        )
+    from lmcache_backend.data.embedded import model_label, resolve_model
 
-        model, tokenizer = load_embedded_model()
-        return HFEngine(model, tokenizer, config, model_name=EMBEDDED_MODEL_NAME)
     if name == "vllm":
         problem = vllm_engine_problem()
         if problem:
             raise EngineUnavailable(problem)
-        from lmcache_backend.bench.vllm_engine import VLLMEngine
-        from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
+    try:
+        path = resolve_model(model)
+    except FileNotFoundError as exc:
+        raise EngineUnavailable(str(exc)) from None
+    if name == "hf":
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        return VLLMEngine(str(embedded_model_path()), EMBEDDED_MODEL_NAME)
-    raise EngineUnavailable(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
+        from lmcache_backend.bench.hf_engine import HFEngine
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return HFEngine(hf_model, tokenizer, config, model_name=model_label(model))
+    from lmcache_backend.bench.vllm_engine import VLLMEngine
+
+    return VLLMEngine(path, model_label(model))

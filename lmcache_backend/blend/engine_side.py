@@ -80,8 +80,7 @@ class KVTarget:
         query -> ``[N, Hq, D]``. ``keys``/``values`` ``[T, Hkv, D]``: the same rows as the
         layer's written ones, contiguous (a target may attend over them instead); None for a
         target that ``streams_layers``. ``window``: the layer's sliding window (keys
-        ``p - window + 1 .. p``), passed only for a model whose layer has one (the vLLM
-        adapter's models have none)."""
+        ``p - window + 1 .. p``), passed only for a model whose layer has one."""
         raise NotImplementedError(f"{type(self).__name__} is not a paged target")
 
     def forward_rows(

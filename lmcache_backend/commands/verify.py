@@ -86,16 +86,24 @@ def verify_hf(model_path: str, dtype: str = "float32", count: int = 4, max_token
 # -- vLLM engine -------------------------------------------------------------------------------
 
 
-def worker_rerotation_error(worker: Any = None) -> float:
-    """Run inside a vLLM worker (``LLM.collective_rpc``): re-rotation error of the served model."""
+def worker_rerotation_errors(worker: Any = None) -> list[tuple[str, float]]:
+    """Run inside a vLLM worker (``LLM.collective_rpc``): the served model's re-rotation error
+    of each kind of layer (its description, empty for a model with one kind; the error)."""
     from lmcache_backend.integration.vllm.model_tracker import ENGINE_NAME, ModelTracker
     from lmcache_backend.models.vllm import VLLMModelAdapter
 
     vllm_config = worker.vllm_config if worker is not None else None
     model = ModelTracker.get_model(ENGINE_NAME)
     adapter = VLLMModelAdapter(model, vllm_config)
-    ids = torch.arange(3, 3 + 96) % 1000 + 100
-    return rerotation_error(adapter, ids.tolist())
+    ids = (torch.arange(3, 3 + 96) % 1000 + 100).tolist()
+    return [
+        (kind, rerotation_error(adapter, ids, layer=layer)) for kind, layer in adapter.layer_kinds()
+    ]
+
+
+def worker_rerotation_error(worker: Any = None) -> float:
+    """Run inside a vLLM worker: the largest re-rotation error over the kinds of layer."""
+    return max(err for _, err in worker_rerotation_errors(worker))
 
 
 def verify_vllm(
@@ -128,6 +136,8 @@ def verify_vllm(
     extra = {
         "enable_blending": True,
         "blend_min_tokens": min(config.blend_min_tokens, 16),
+        # exactness is checked, not speed: ratio 1.0 costs more than a full prefill
+        "blend_max_cost": 100.0,
         **(extra_config or {}),
     }
     longest = max(len(p) for pair in prompts for p in pair)
@@ -154,9 +164,13 @@ def verify_vllm(
 
     details: dict[str, Any] = {"prompts": []}
     try:
-        err = max(llm.collective_rpc(worker_rerotation_error))
         limit = REROTATION_TOLERANCE[tolerance_dtype(torch_dtype)]
-        checks = [Check("re-rotation error", f"{err:.2e}", f"{limit:.0e}", bool(err <= limit))]
+        per_rank = llm.collective_rpc(worker_rerotation_errors)
+        checks = []
+        for i, (kind, _) in enumerate(per_rank[0]):
+            err = max(rank[i][1] for rank in per_rank)
+            name = f"re-rotation error ({kind})" if kind else "re-rotation error"
+            checks.append(Check(name, f"{err:.2e}", f"{limit:.0e}", bool(err <= limit)))
         stats_rows = {k: {"diffs": [], "agree": 0, "fb": [], "fr": []} for k in ("1", "d")}
         for first, again in prompts:
             run(first)  # vLLM prefills, the connector stores the chunks
@@ -169,10 +183,15 @@ def verify_vllm(
                 shared = set(a) & set(b)
                 s["diffs"].append(max((abs(a[t] - b[t]) for t in shared), default=math.inf))
                 s["agree"] += int(list(out.outputs[0].token_ids) == row["reference"])
+                if record is not None and not record.get("blended", True):
+                    reason = record.get("reason", "")
+                    record = None  # left to vLLM: nothing was blended
+                else:
+                    reason = ""
                 claimed = record is not None and out.num_cached_tokens == (
                     record["prefix_len"] + record["claimed"]
                 )
-                s["fb"].append(None if claimed else "not claimed by the connector")
+                s["fb"].append(None if claimed else f"not claimed by the connector {reason}")
                 if record is not None:
                     s["fb"][-1] = s["fb"][-1] or record["fallback_reason"]
                 s["fr"].append(record["recompute_fraction"] if record else 0.0)
@@ -197,7 +216,9 @@ def verify_vllm(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", nargs="?", help="model folder or hub name (default: the embedded model)"
+        "model",
+        nargs="?",
+        help="model folder, hub name or embedded model (smollm2, gemma3-270m; default: smollm2)",
     )
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -207,11 +228,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model = args.model
-    if not model:
-        from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import resolve_model
 
-        model = str(embedded_model_path())
+    try:
+        model = resolve_model(args.model or None)
+    except FileNotFoundError as exc:
+        print(f"lmcache-backend verify: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.engine == "hf":
             checks = verify_hf(model, args.dtype, args.prompts, args.max_tokens)

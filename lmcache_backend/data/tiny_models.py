@@ -48,6 +48,22 @@ SPECS: dict[str, tuple[str, str, dict]] = {
             }
         },
     ),
+    # a sliding-window layer (a 16-token window, far shorter than the prompts, local RoPE base)
+    # and a global one (another base, linear scaling); Gemma's norms, q/k norms, a softmax scale
+    # that is not head_dim ** -0.5
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "query_pre_attn_scalar": 48,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        },
+    ),
 }
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

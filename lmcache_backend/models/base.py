@@ -99,6 +99,13 @@ class ModelAdapter(ABC):
         ``p - window + 1 .. p`` (``window`` keys, itself included); None: keys ``0..p``."""
         return None
 
+    def windowed(self) -> bool:
+        """Whether attention is not plain causal attention over the whole prompt: some layer
+        has a sliding window, or prompts longer than ``max_exact_tokens`` are not reproduced."""
+        return self.max_exact_tokens is not None or any(
+            self.sliding_window(layer) is not None for layer in range(self.num_layers)
+        )
+
     def rotation_table(self, layer: int) -> torch.Tensor:
         """``layer``'s rotation table (the layout of ``cos_sin_cache``)."""
         return self.cos_sin_cache

@@ -1,9 +1,23 @@
-"""Model adapter for vLLM's decoder models: Llama, Mistral, Qwen2, Qwen3.
+"""Model adapter for vLLM's decoder models: Llama, Mistral, Qwen2, Qwen3, Gemma 3.
 
-The four share one module layout in vLLM: ``model.model.layers[i].self_attn`` with a fused
+They share one module layout in vLLM: ``model.model.layers[i].self_attn`` with a fused
 ``qkv_proj`` (Qwen2: with bias), ``rotary_emb(positions, q, k)``, ``o_proj``, and per layer
-``input_layernorm`` / ``post_attention_layernorm`` / ``mlp``; Qwen3 adds ``q_norm``/``k_norm``
-over the head dim before RoPE. Linear layers return ``(output, bias)``.
+``input_layernorm`` / ``post_attention_layernorm`` / ``mlp``; Qwen3 and Gemma 3 add
+``q_norm``/``k_norm`` over the head dim before RoPE. Linear layers return ``(output, bias)``.
+
+Gemma 3 (``Gemma3ForCausalLM``) differs in its norms and per layer:
+
+* Gemma's RMSNorm ``x * (1 + weight)`` (vLLM's ``GemmaRMSNorm``), four per layer:
+  ``input_layernorm``; ``post_attention_layernorm`` on the attention output *before* the
+  residual add; ``pre_feedforward_layernorm`` (the fused add with the residual) and
+  ``post_feedforward_layernorm`` around the MLP;
+* the embedding scaled by ``sqrt(hidden_size)`` (inside ``embed_input_ids``), softmax scale
+  ``query_pre_attn_scalar ** -0.5``, an optional final logit softcap (vLLM's logits processor);
+* each layer's own rotary module (local layers RoPE base 10k, global ones 1M with their
+  scaling; layers of one kind share a module): one rotation table per distinct module
+  (:meth:`VLLMModelAdapter.rotation_table`);
+* each layer's sliding window, read from vLLM's attention layer (``sliding_window``)
+  (:meth:`VLLMModelAdapter.sliding_window`). Every architecture's windows are read so.
 
 vLLM's decoder layers carry the residual separately and use fused add+RMSNorm:
 ``norm(x, residual)`` adds in fp32, keeps the sum rounded to the model dtype as the next residual,
@@ -35,6 +49,7 @@ import torch
 from lmcache_backend.compat.gate import current_profile
 from lmcache_backend.models.base import (
     ModelAdapter,
+    UnsupportedModelError,
     pure_rotation_table,
     sliding_window_span,
 )
@@ -48,7 +63,14 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+
+#: architectures with Gemma's norm layout (post-attention norm before the residual add,
+#: pre/post feed-forward norms): see the module docstring
+_GEMMA_NORMS = ("Gemma3ForCausalLM",)
+#: Gemma 3 layer kinds (``config.layer_types``) the adapter reproduces
+_GEMMA3_LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 #: vLLM implementations that ignore a config's ``head_dim`` (hidden_size / num_heads instead).
@@ -87,6 +109,9 @@ def vllm_fingerprint(vllm_config: Any) -> ModelFingerprint:
         "rope_scaling": getattr(hf, "rope_scaling", None),
         "rope_parameters": getattr(hf, "rope_parameters", None),
     }
+    if getattr(hf, "layer_types", None):  # layers that differ (Gemma 3): their kinds and window
+        rope["layer_types"] = list(hf.layer_types)
+        rope["sliding_window"] = getattr(hf, "sliding_window", None)
     identity = {
         "model": str(mc.model),
         "revision": getattr(mc, "revision", None),
@@ -139,10 +164,44 @@ def _check_rotary(arch: str, attn: Any, rotary: Any) -> None:
     elif getattr(attn, "do_llama_4_scaling", False):
         problem = "it scales queries by position (llama_4_scaling)"
     if problem is not None:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"CacheBlend cannot re-rotate cached keys of this {arch}: {problem}; "
             "serve it without the CacheBlend connector"
         )
+
+
+def _check_layers(arch: str, layers: Any, hf: Any) -> None:
+    """Refuse, with one line naming it, a layer kind the adapter cannot reproduce exactly:
+    attention logit softcapping, attention that is not causal, a Gemma 3 layer kind other
+    than sliding / full attention, a layer without the norms of its architecture."""
+    serve = "serve it without the CacheBlend connector"
+    gemma = arch in _GEMMA_NORMS
+    if gemma:
+        for index, kind in enumerate(getattr(hf, "layer_types", None) or []):
+            if kind not in _GEMMA3_LAYER_KINDS:
+                raise UnsupportedModelError(
+                    f"CacheBlend cannot reproduce layer {index} of this {arch}: layer kind "
+                    f"{kind!r} (supported: {', '.join(_GEMMA3_LAYER_KINDS)}); {serve}"
+                )
+    norms = ("input_layernorm", "post_attention_layernorm", "mlp")
+    if gemma:
+        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    for index, layer in enumerate(layers):
+        missing = [name for name in norms if not hasattr(layer, name)]
+        attention = getattr(getattr(layer, "self_attn", None), "attn", None)
+        problem = None
+        if missing:
+            problem = f"it has no {', '.join(missing)}"
+        elif attention is None:
+            problem = "its attention has no vLLM attention layer"
+        elif getattr(attention, "attn_type", "decoder") != "decoder":
+            problem = f"its attention is {attention.attn_type}, not causal decoder attention"
+        elif getattr(getattr(attention, "impl", None), "logits_soft_cap", None):
+            problem = "attention logit softcapping is not reproduced"
+        if problem is not None:
+            raise UnsupportedModelError(
+                f"CacheBlend cannot reproduce layer {index} of this {arch}: {problem}; {serve}"
+            )
 
 
 def _native_rotary(rotary: Any) -> bool:
@@ -181,22 +240,30 @@ def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _attention_window(layer: Any) -> int | None:
+    """The sliding window vLLM's attention layer of ``layer`` applies (a query at ``p`` sees
+    keys ``p - window + 1 .. p``), or None."""
+    window = getattr(layer.self_attn.attn, "sliding_window", None)
+    return int(window) if window else None
+
+
 class VLLMModelAdapter(ModelAdapter):
-    """Adapter over a loaded vLLM ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3).
+    """Adapter over a loaded vLLM ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
 
     Args:
         model: the runner's model (not a CUDA-graph wrapper).
         vllm_config: the engine's ``VllmConfig`` (for the fingerprint and the sliding window).
 
     Raises:
-        ValueError: unsupported architecture (the message lists the supported ones), or a
-            model split across pipeline stages.
+        UnsupportedModelError: (a ``ValueError``) unsupported architecture (the message lists
+            the supported ones), or a layer kind of it the adapter cannot reproduce; one line.
+        ValueError: a model split across pipeline stages.
     """
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any) -> None:
         arch = type(model).__name__
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"{arch} is not supported by the CacheBlend vLLM adapter "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
@@ -216,16 +283,43 @@ class VLLMModelAdapter(ModelAdapter):
         self._q_size = self.num_heads * self.head_dim
         self._kv_size = self.num_kv_heads * self.head_dim
         self.attn_scale = float(self._profile.softmax_scale(attn))
-        rotary = attn.rotary_emb
-        _check_rotary(arch, attn, rotary)
-        self.is_neox = bool(rotary.is_neox_style)
-        # fp32, recomputed rather than read from the buffer (which vLLM casts to the model dtype
-        # on first use), and normalized to a pure rotation: YaRN-style tables carry an attention
-        # factor that re-rotation must not apply twice.
-        self.cos_sin_cache = pure_rotation_table(rotary._compute_cos_sin_cache()).to(self.device)
+        mc = vllm_config.model_config
+        hf = mc.hf_text_config if hasattr(mc, "hf_text_config") else mc.hf_config
+        _check_layers(arch, self._layers, hf)
+        self._gemma_norms = arch in _GEMMA_NORMS
+        # one rotation table per distinct rotary module (Gemma 3: local and global layers)
+        rotaries = [layer.self_attn.rotary_emb for layer in self._layers]
+        tables: dict[int, torch.Tensor] = {}
+        for layer, rotary in zip(self._layers, rotaries):
+            if id(rotary) not in tables:
+                _check_rotary(arch, layer.self_attn, rotary)
+                # fp32, recomputed rather than read from the buffer (which vLLM casts to the
+                # model dtype on first use), and normalized to a pure rotation: YaRN-style
+                # tables carry an attention factor that re-rotation must not apply twice.
+                table = pure_rotation_table(rotary._compute_cos_sin_cache()).to(self.device)
+                tables[id(rotary)] = table
+        if len({bool(r.is_neox_style) for r in rotaries}) != 1:
+            raise UnsupportedModelError(
+                f"CacheBlend cannot re-rotate cached keys of this {arch}: its layers pair RoPE "
+                "features differently; serve it without the CacheBlend connector"
+            )
+        self.is_neox = bool(rotaries[0].is_neox_style)
+        self._tables = [tables[id(r)] for r in rotaries]
+        self._groups = [
+            (table, [i for i, r in enumerate(rotaries) if id(r) == key])
+            for key, table in tables.items()
+        ]
+        self.cos_sin_cache = self._tables[0]
         self._delta_cache: torch.Tensor | None = None
-        hf = vllm_config.model_config.hf_config
-        self.max_exact_tokens = sliding_window_span(hf)
+        # each layer's window as vLLM's attention applies it; the blender reproduces each. A
+        # release whose attention layer does not say: the config's window bounds the prompts
+        # blended (longer ones fall back to a full prefill)
+        if all(hasattr(layer.self_attn.attn, "sliding_window") for layer in self._layers):
+            self._windows = [_attention_window(layer) for layer in self._layers]
+            self.max_exact_tokens = None
+        else:
+            self._windows = [None] * self.num_layers
+            self.max_exact_tokens = sliding_window_span(hf)
         self._fingerprint = vllm_fingerprint(vllm_config)
         if self._fingerprint.head_dim != self.head_dim:
             raise ValueError(
@@ -237,11 +331,20 @@ class VLLMModelAdapter(ModelAdapter):
         # which vLLM itself only runs compiled: one kernel instead of ~20 small ops (0.1-0.6 ms
         # a layer here), and its fp32 math rounded once equals the compiled graph's, where
         # the eager code rounds after every bf16 op.
-        cpu = self.device.type == "cpu" and _native_rotary(rotary)
+        cpu = self.device.type == "cpu" and all(_native_rotary(r) for r in rotaries)
         self._rope_op = _cpu_rotary_op() if cpu else None
         self._rope_tables: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         # (stream returned by mlp_block, its unrounded fp32 sum): see the module docstring
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self._windows[layer]
+
+    def rotation_table(self, layer: int) -> torch.Tensor:
+        return self._tables[layer]
+
+    def rotation_groups(self) -> list[tuple[torch.Tensor, list[int]]]:
+        return self._groups
 
     @property
     def device(self) -> torch.device:
@@ -287,7 +390,7 @@ class VLLMModelAdapter(ModelAdapter):
         n = x.shape[0]
         qkv = _linear(attn.qkv_proj, x)
         q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head, before RoPE
+        if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: RMSNorm over each head, before RoPE
             q = attn.q_norm(q.reshape(n, self.num_heads, self.head_dim)).reshape(n, -1)
             k = attn.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).reshape(n, -1)
         # vLLM's rotary op works in place on contiguous [N, H*D] rows
@@ -347,14 +450,21 @@ class VLLMModelAdapter(ModelAdapter):
         return table
 
     def attention_output(self, layer: int, attn: torch.Tensor) -> torch.Tensor:
-        o_proj = self._layers[layer].self_attn.o_proj
-        return _linear(o_proj, attn.reshape(attn.shape[0], -1).to(self.dtype)).float()
+        block = self._layers[layer]
+        out = _linear(block.self_attn.o_proj, attn.reshape(attn.shape[0], -1).to(self.dtype))
+        if self._gemma_norms:  # normed before the residual add, rounded as vLLM's output is
+            out = self._norm(block.post_attention_layernorm, out)
+        return out.float()
 
     def mlp_block(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         block = self._layers[layer]
         exact = self._unrounded(hidden).float()
         residual = exact.to(self.dtype)
-        out = block.mlp(self._norm(block.post_attention_layernorm, exact))
+        if self._gemma_norms:
+            out = block.mlp(self._norm(block.pre_feedforward_layernorm, exact))
+            out = self._norm(block.post_feedforward_layernorm, out)
+        else:
+            out = block.mlp(self._norm(block.post_attention_layernorm, exact))
         total = residual.float() + out.float()
         stream = total.to(self.dtype)
         self._pending = (stream, total)

@@ -3,6 +3,11 @@
 * vLLM's CPU paged attention (:class:`~lmcache_backend.integration.vllm.layouts.CpuAttention`):
   the selected queries attend over the request's blocks, where the blend writes every row. Only
   on vLLM's CPU backend, for a model without a sliding window, with the engine's block size.
+
+A model with sliding-window layers (Gemma 3) gets none of the paged kernels and no engine
+forward pass: the blender attends over its own contiguous K/V with the op registry's
+``attention_at_positions(..., window=w)`` per layer, whose kernels decline windows (the torch
+reference serves them).
 * the op registry's ``attention_at_positions`` where the backend serves it with a kernel of its
   own (``selected_attention``: ``auto``, ``tiled`` or ``vllm``): on CPU the tiled kernel
   (:mod:`lmcache_backend.backends.cpu.tiled_attention`), which attends over the blend's
@@ -81,7 +86,7 @@ def choose_attention(
             queries.
     """
     if isinstance(layout, DeviceLayout):
-        if model.max_exact_tokens is not None:  # sliding window: the blender falls back
+        if model.windowed():  # sliding windows: the blender's own attention, per layer
             return SelectedAttention()
         return SelectedAttention(device=True)
     paged = _paged_attention(vllm_config, layer_names, caches, layout, model)
@@ -104,7 +109,11 @@ def _paged_attention(
     """vLLM's CPU paged attention for the blender, where the layout and build allow it."""
     if not isinstance(layout, CpuLayout) or not CpuAttention.available():
         return None
-    if model.max_exact_tokens is not None:  # sliding window: the blender falls back
+    if model.windowed():  # sliding windows: the blender's own attention, per layer
+        logger.info(
+            "CacheBlend: the model has sliding-window layers; the blend attends with the "
+            "op registry's attention (windows applied per layer)"
+        )
         return None
     if int(caches[0].shape[2]) != int(vllm_config.cache_config.block_size):
         return None

@@ -144,10 +144,22 @@ class PagedCacheTarget(KVTarget):
         scale: float,
         keys: torch.Tensor | None,
         values: torch.Tensor | None,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V (on CUDA and
         Ascend through the block table); with the tiled kernel, over ``keys``/``values``
-        ``[T, Hkv, D]`` (the same rows, contiguous)."""
+        ``[T, Hkv, D]`` (the same rows, contiguous). A sliding ``window`` (keys
+        ``p - window + 1 .. p``), which none of those kernels applies, is served by the torch
+        reference over ``keys``/``values``."""
+        if window is not None:
+            if keys is None or values is None:
+                raise RuntimeError(
+                    "CacheBlend: a sliding-window layer cannot attend over streamed layers"
+                )
+            from lmcache_backend.ops.reference import attention_at_positions
+
+            return attention_at_positions(q, keys, values, positions, scale, window=window)
         self.paged_layers += 1
         if self.kernels.device:
             return self.layout.attention(self.caches[layer_id], q, self.block_ids, positions, scale)

@@ -37,10 +37,9 @@ def vllm_serve_argv(
     model: str | None, vllm_args: list[str], stats_file: str | None = None
 ) -> list[str]:
     """The ``vllm serve ...`` argument list (without the program name) this command runs."""
-    if model is None:
-        from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import resolve_model
 
-        model = str(embedded_model_path())
+    model = resolve_model(model)  # None or an embedded model's name: its folder
     argv = ["serve", model, *vllm_args]
     given = [i for i, a in enumerate(argv) if a == FLAG or a.startswith(FLAG + "=")]
     if not given:
@@ -119,7 +118,7 @@ def main(args: argparse.Namespace, vllm_args: list[str]) -> int:
     os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
     try:
         argv = vllm_serve_argv(args.model, vllm_args, args.stats_file)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"lmcache-backend serve: {exc}", file=sys.stderr)
         return 2
     _version_lookup_with_fallback()

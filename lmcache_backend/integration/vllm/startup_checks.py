@@ -33,17 +33,22 @@ def check_rerotation(model: VLLMModelAdapter, vllm_config: Any) -> None:
     """Refuse to start when re-rotated cached keys would not equal fresh keys: the model's
     positional encoding is not what the re-rotation assumes.
 
+    Every kind of layer (rotation table and window: Gemma 3's local and global layers) is
+    checked on its first layer.
+
     Raises:
-        RuntimeError: naming the model and the error found.
+        RuntimeError: naming the model, the layer and the error found.
     """
-    err = rerotation_error(model, probe_tokens(vllm_config))
     limit = REROTATION_TOLERANCE.get(model.dtype, REROTATION_TOLERANCE[torch.bfloat16])
-    if not err <= limit:
-        raise RuntimeError(
-            f"CacheBlend cannot serve {type(model.model).__name__}: cached keys "
-            f"re-rotated to new positions differ from keys computed there (relative error "
-            f"{err:.2e} > {limit:.0e}); serve this model without the CacheBlend connector"
-        )
+    for kind, layer in model.layer_kinds():
+        err = rerotation_error(model, probe_tokens(vllm_config), layer=layer)
+        if not err <= limit:
+            where = f" ({kind})" if kind else ""
+            raise RuntimeError(
+                f"CacheBlend cannot serve {type(model.model).__name__}: cached keys{where} "
+                f"re-rotated to new positions differ from keys computed there (relative error "
+                f"{err:.2e} > {limit:.0e}); serve this model without the CacheBlend connector"
+            )
 
 
 def verify_on_start(
