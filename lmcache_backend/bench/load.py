@@ -101,8 +101,10 @@ def _lines(path: Path | None) -> list[dict[str, Any]]:
     return StatsFile(path).lines()
 
 
-def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
-    """Run the phases the flags ask for; print the table and return every number."""
+def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
+    """Run the phases the flags ask for; print the table (to ``out``, default the current
+    ``sys.stdout``) and return every number."""
+    out = out or sys.stdout
     from lmcache_backend.bench.clients import served_model
     from lmcache_backend.demos.server import ServerProcess
 
