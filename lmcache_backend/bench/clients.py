@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -227,41 +226,31 @@ def _shapes(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
     """Run the shapes the flags ask for (starting a server unless ``--url``); print the table."""
-    from lmcache_backend.demos.server import ServerProcess
+    from lmcache_backend.bench.bench_server import bench_server
 
     names = _shapes(args)
     env = dict(item.split("=", 1) for item in args.server_env)
     examples, extras = pick_examples(
         args.dataset, args.examples, len(names), getattr(args, "longest", False)
     )
-    tmp = tempfile.TemporaryDirectory(prefix="lmcache-backend-clients-")
-    server = None
-    if args.url:
-        url, stats = args.url.rstrip("/"), StatsFile(args.stats_file)
-        if not args.stats_file:
-            print("no --stats-file: every request reads as not blended", file=out)
-    else:
-        vllm_args = SERVER_ARGS + (["--enforce-eager"] if args.eager else [])
-        server = ServerProcess(
-            vllm_args,
-            env=env,
-            stats_file=Path(tmp.name) / "blend.jsonl",
-            log_path=Path(tmp.name) / "server.log",
-        )
-        print(f"starting lmcache-backend serve on {server.base_url} ...", file=out, flush=True)
-        server.start(timeout_s=600)
-        url, stats = server.base_url, StatsFile(server.stats_file)
-    started = time.perf_counter()
-    result: dict[str, Any] = {
-        "setup": {
-            "url": url,
-            "server_env": env,
-            "eager": args.eager,
-            "examples": len(examples),
-            "load_before": os.getloadavg(),
+    if args.url and not args.stats_file:
+        print("no --stats-file: every request reads as not blended", file=out)
+    vllm_args = SERVER_ARGS + (["--enforce-eager"] if args.eager else [])
+    served = bench_server(
+        args.url, args.stats_file, vllm_args, env, out, "lmcache-backend-clients-"
+    )
+    with served as (url, stats_path, _):
+        stats = StatsFile(stats_path)
+        started = time.perf_counter()
+        result: dict[str, Any] = {
+            "setup": {
+                "url": url,
+                "server_env": env,
+                "eager": args.eager,
+                "examples": len(examples),
+                "load_before": os.getloadavg(),
+            }
         }
-    }
-    try:
         model, context = served_model(url)
         result["setup"]["model"] = model
         shapes: dict[str, Any] = {}
@@ -269,14 +258,6 @@ def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
             shape = make_shape(name, url, model, args.max_new_tokens, context)
             rows = run_shape(shape, stats, examples, extras[names.index(name)], out)
             shapes[name] = {"summary": summarize(rows), "examples": rows}
-    except Exception:
-        if server is not None:
-            print(f"server log (last lines):\n{server.log_tail()}", file=out)
-        raise
-    finally:
-        if server is not None:
-            server.stop()
-        tmp.cleanup()
     result["shapes"] = shapes
     result["setup"].update(wall_s=time.perf_counter() - started, load_after=os.getloadavg())
     print(format_table({n: s["summary"] for n, s in shapes.items()}), file=out)

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -105,42 +104,31 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
     """Run the phases the flags ask for; print the table (to ``out``, default the current
     ``sys.stdout``) and return every number."""
     out = out or sys.stdout
+    from lmcache_backend.bench.bench_server import bench_server
     from lmcache_backend.bench.clients import served_model
-    from lmcache_backend.demos.server import ServerProcess
 
     _check(args)
     names = _phases(args.phases)
     env = dict(item.split("=", 1) for item in args.server_env)
-    tmp = tempfile.TemporaryDirectory(prefix="lmcache-backend-load-")
-    server = None
-    stats_path = Path(args.stats_file) if getattr(args, "stats_file", None) else None
-    if args.url:
-        url = args.url.rstrip("/")
-        if stats_path is None:
-            print("no --stats-file: blended and reused shares are left out", file=out)
-    else:
-        vllm_args = SERVER_ARGS + (["--enforce-eager"] if args.eager else [])
-        stats_path = stats_path or Path(tmp.name) / "blend.jsonl"
-        server = ServerProcess(
-            vllm_args, env=env, stats_file=stats_path, log_path=Path(tmp.name) / "server.log"
-        )
-        print(f"starting lmcache-backend serve on {server.base_url} ...", file=out, flush=True)
-        server.start(timeout_s=600)
-        url = server.base_url
-    result: dict[str, Any] = {
-        "setup": {
-            "url": url,
-            "server_args": None if args.url else server.cmd[3:],
-            "server_env": env,
-            "mode": f"open loop, {args.rate}/s" if args.rate else f"{args.clients} clients",
-            "cpu_count": os.cpu_count(),
-            "load_before": os.getloadavg(),
-        },
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
-        "phases": {},
-    }
-    run_id = f"load{int(time.time())}"
-    try:
+    given_stats = getattr(args, "stats_file", None)
+    if args.url and not given_stats:
+        print("no --stats-file: blended and reused shares are left out", file=out)
+    vllm_args = SERVER_ARGS + (["--enforce-eager"] if args.eager else [])
+    served = bench_server(args.url, given_stats, vllm_args, env, out, "lmcache-backend-load-")
+    with served as (url, stats_path, server):
+        result: dict[str, Any] = {
+            "setup": {
+                "url": url,
+                "server_args": None if server is None else server.cmd[3:],
+                "server_env": env,
+                "mode": f"open loop, {args.rate}/s" if args.rate else f"{args.clients} clients",
+                "cpu_count": os.cpu_count(),
+                "load_before": os.getloadavg(),
+            },
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "phases": {},
+        }
+        run_id = f"load{int(time.time())}"
         model, _ = served_model(url)
         result["setup"]["model"] = model
         _warm_up(url, model, args.stream_tokens)
@@ -162,14 +150,6 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
             result["phases"][spec.name] = _phase_result(spec, phase, lines, args.window)
             row = load_stats.format_table({spec.name: result["phases"][spec.name]})
             print(row.split("\n")[-1], file=out, flush=True)
-    except Exception:
-        if server is not None:
-            print(f"server log (last lines):\n{server.log_tail()}", file=out)
-        raise
-    finally:
-        if server is not None:
-            server.stop()
-        tmp.cleanup()
     result["setup"]["load_after"] = os.getloadavg()
     print(load_stats.format_table(result["phases"]), file=out)
     print(load_stats.LEGEND, file=out)
