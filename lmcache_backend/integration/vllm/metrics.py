@@ -209,7 +209,7 @@ class CacheBlendPromMetrics(KVConnectorPromMetrics):
             self._metrics[name] = metric
         self._children: dict[tuple[int, str, str], Any] = {}
         # every series whose labels are known shows from the start, at 0
-        from lmcache_backend.integration.vllm.scheduler import SKIP_REASONS
+        from lmcache_backend.integration.vllm.stats import SKIP_REASONS
 
         for engine_idx in per_engine_labelvalues:
             for name, (kind, label, _) in METRICS.items():

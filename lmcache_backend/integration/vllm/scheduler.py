@@ -10,7 +10,7 @@ header) is never served from the store: vLLM computes it in its own forward pass
 blended K/V, and its last token gives the first output token.
 Nothing claimed: vLLM prefills normally, the workers store the prompt's units afterwards, and the
 request is recorded (log line, ``stats_file`` line with ``"blended": false``) with its reason
-(:data:`SKIP_REASONS`).
+(:data:`~lmcache_backend.integration.vllm.stats.SKIP_REASONS`).
 
 With ``blend_layers_per_step > 0`` a claim whose selection never computes a token of the tail in
 a blend layer (the preview selections) is loaded asynchronously instead: vLLM allocates blocks for
@@ -43,7 +43,10 @@ from lmcache_backend.config import BlendConfig
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.metrics import CacheBlendStats, take
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
-from lmcache_backend.integration.vllm.stats import append_json_line
+from lmcache_backend.integration.vllm.stats import (
+    append_json_line,
+    left_to_vllm_line,
+)
 from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage import create_lookup
 from lmcache_backend.storage.segments import segment_keys
@@ -70,17 +73,6 @@ class _Tracked:
     token_ids: list[int]
     block_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
-
-
-#: Why a request the connector saw is left to vLLM (the ``reason`` of its stats-file line).
-SKIP_REASONS = (
-    "blending off",  # enable_blending is false: segments are only stored
-    "opted out",  # kv_transfer_params {"blend": false}
-    "lora",  # a LoRA request: neither blended nor stored
-    "no reusable span",  # the store holds none of the prompt (beyond vLLM's prefix hit)
-    "below blend_min_tokens",
-    "would not pay",  # the predicted blend cost exceeds blend_max_cost
-)
 
 
 @dataclass
@@ -128,10 +120,9 @@ class SchedulerSide:
         # request -> its key namespace (cache_salt), read when vLLM asks about the request and
         # used when its prompt is planned for saving; a request missing here is never stored
         self._salts: dict[str, str | None] = {}
-        # requests left to vLLM -> why (recorded once per request)
-        self._skipped: dict[str, str] = {}
         # request -> (why it is left to vLLM, or None: claimed; claimed tokens), the latest
-        # decision, counted in the metrics when the request finishes
+        # decision: a reason is recorded once per request, the decision is counted in the
+        # metrics when the request finishes
         self._decisions: dict[str, tuple[str | None, int]] = {}
         self.stats = ClaimStats()
         self._metrics = CacheBlendStats()
@@ -219,7 +210,6 @@ class SchedulerSide:
             and config.blend_selection in PREVIEW_SELECTIONS,
             cache_salt=salt,
         )
-        self._skipped.pop(rid, None)
         self._decisions[rid] = (None, claim)
         self.stats.claimed_requests += 1
         self.stats.claimed_tokens += claim
@@ -250,10 +240,9 @@ class SchedulerSide:
     ) -> None:
         """Record that ``rid`` is left to vLLM, once per request (vLLM may ask again while the
         request waits for blocks). ``reason`` is one of :data:`SKIP_REASONS`."""
-        self._decisions[rid] = (reason, 0)
-        if self._skipped.get(rid) == reason:
+        if self._decisions.get(rid, (None, 0))[0] == reason:
             return
-        self._skipped[rid] = reason
+        self._decisions[rid] = (reason, 0)
         self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
         logger.info(
             "CacheBlend leaves request %s (%d tokens) to vLLM: %s%s",
@@ -263,18 +252,8 @@ class SchedulerSide:
             f" ({detail})" if detail else "",
         )
         if self.settings.stats_file:
-            entry = {
-                "req_id": rid,
-                "blended": False,
-                "reason": reason,
-                "detail": detail,
-                "num_tokens": num_tokens,
-                "num_reusable": reusable,
-                "reused_units": hits,
-            }
-            if cost_share is not None:
-                entry["predicted_cost_share"] = round(cost_share, 4)
-            append_json_line(self.settings.stats_file, entry)
+            line = left_to_vllm_line(rid, num_tokens, reason, detail, reusable, hits, cost_share)
+            append_json_line(self.settings.stats_file, line)
 
     def is_sliced(self, request: Any) -> bool:
         """Whether the claim just made for ``request`` is loaded asynchronously."""
@@ -388,7 +367,6 @@ class SchedulerSide:
         self._claims.pop(rid, None)
         self._tracked.pop(rid, None)
         self._salts.pop(rid, None)
-        self._skipped.pop(rid, None)
         decision = self._decisions.pop(rid, None)
         if decision is not None:
             reason, claimed = decision

@@ -1,7 +1,7 @@
 """One record per request the connector blended: logged, kept, and appended to ``stats_file``.
 
 Requests the connector leaves to vLLM get a line of their own from the scheduler side
-(``"blended": false`` and a ``reason``: ``scheduler.SKIP_REASONS``).
+(:func:`left_to_vllm_line`: ``"blended": false`` and one of :data:`SKIP_REASONS`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,43 @@ from lmcache_backend.blend.request import BlendResult
 from lmcache_backend.integration.vllm.metadata import LoadSpec
 
 logger = logging.getLogger(__name__)
+
+
+#: Why a request the connector saw is left to vLLM (the ``reason`` of its stats-file line).
+SKIP_REASONS = (
+    "blending off",  # enable_blending is false: segments are only stored
+    "opted out",  # kv_transfer_params {"blend": false}
+    "lora",  # a LoRA request: neither blended nor stored
+    "no reusable span",  # the store holds none of the prompt (beyond vLLM's prefix hit)
+    "below blend_min_tokens",
+    "would not pay",  # the predicted blend cost exceeds blend_max_cost
+)
+
+
+def left_to_vllm_line(
+    req_id: str,
+    num_tokens: int,
+    reason: str,
+    detail: str | None,
+    reusable: int,
+    hits: int,
+    cost_share: float | None,
+) -> dict[str, Any]:
+    """The ``stats_file`` line of a request left to vLLM: ``reason`` (one of
+    :data:`SKIP_REASONS`), ``detail``, its reusable tokens and units, and the predicted blend
+    cost when one was estimated."""
+    line = {
+        "req_id": req_id,
+        "blended": False,
+        "reason": reason,
+        "detail": detail,
+        "num_tokens": num_tokens,
+        "num_reusable": reusable,
+        "reused_units": hits,
+    }
+    if cost_share is not None:
+        line["predicted_cost_share"] = round(cost_share, 4)
+    return line
 
 
 @dataclass
