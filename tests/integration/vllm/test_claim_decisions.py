@@ -8,6 +8,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+from fake_vllm_config import vllm_config
 
 from lmcache_backend.blend.pays import estimate_blend
 from lmcache_backend.config import load_config
@@ -37,19 +38,6 @@ def test_estimate_counts_what_each_phase_computes() -> None:
     assert check.cost_share == pytest.approx((2 * 960 + 28 * 0.2 * 960 + 30 * 40) / 30000)
 
 
-def _vllm_config(path: str, extra: dict):
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, engine_id="t"),
-        model_config=SimpleNamespace(
-            hf_text_config=SimpleNamespace(num_hidden_layers=LAYERS),
-            tokenizer=path,
-            tokenizer_revision=None,
-            trust_remote_code=False,
-        ),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
-
-
 @pytest.fixture
 def scheduler(tmp_path, monkeypatch):
     from lmcache_backend.data.embedded import embedded_model_path
@@ -69,7 +57,7 @@ def scheduler(tmp_path, monkeypatch):
         "stats_file": str(tmp_path / "stats.jsonl"),
         "extra_config": {"segment_index_dir": str(tmp_path / "index")},
     }
-    side = SchedulerSide(load_settings(_vllm_config(path, extra)), FP, profile=None)
+    side = SchedulerSide(load_settings(vllm_config(path, extra, LAYERS)), FP, profile=None)
     yield side
     side.shutdown()
 

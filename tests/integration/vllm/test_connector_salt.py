@@ -7,7 +7,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from test_connector_split import _vllm_config
+from fake_vllm_config import vllm_config
 
 from lmcache_backend.storage.index import FileSegmentIndex
 
@@ -31,7 +31,7 @@ def scheduler(tmp_path, monkeypatch):
         "blend_min_tokens": 4,
         "extra_config": {"segment_index_dir": str(tmp_path / "index")},
     }
-    settings = load_settings(_vllm_config(path, extra))
+    settings = load_settings(vllm_config(path, extra))
     fp = ModelFingerprint("TestLM", 30, 9, 3, 64, "rope", "float32", "w")
     side = SchedulerSide(settings, fp, profile=SimpleNamespace(resumed=lambda c, i: False))
     side.index = FileSegmentIndex(tmp_path / "index")  # the worker's, as the scheduler sees it

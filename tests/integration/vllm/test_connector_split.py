@@ -8,21 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fake_vllm_config import vllm_config
 
 from lmcache_backend.config import ConfigError
-
-
-def _vllm_config(path: str, extra: dict, num_layers: int = 30):
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, engine_id="t"),
-        model_config=SimpleNamespace(
-            hf_text_config=SimpleNamespace(num_hidden_layers=num_layers),
-            tokenizer=path,
-            tokenizer_revision=None,
-            trust_remote_code=False,
-        ),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +45,7 @@ def test_scheduler_and_hf_engine_share_the_split(smol, sep, tmp_path, monkeypatc
         "blend_min_tokens": 32,
         "extra_config": {"segment_index_dir": str(tmp_path / "index")},
     }
-    settings = load_settings(_vllm_config(str(embedded_model_path()), dict(extra)))
+    settings = load_settings(vllm_config(str(embedded_model_path()), dict(extra)))
     engine = HFBlendEngine(model, tok, settings.config)
     assert settings.separator == engine.separator
 
@@ -106,7 +94,7 @@ def test_bad_block_size_fails_connector_start(tmp_path) -> None:
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.integration.vllm.settings import load_settings
 
-    config = _vllm_config(str(embedded_model_path()), {"blend_block_size": 0})
+    config = vllm_config(str(embedded_model_path()), {"blend_block_size": 0})
     with pytest.raises(ConfigError, match="blend_block_size"):
         load_settings(config)
 
@@ -121,10 +109,10 @@ def test_lora_with_blending_fails_connector_start() -> None:
         path = str(embedded_model_path())
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    config = _vllm_config(path, {"enable_blending": True})
+    config = vllm_config(path, {"enable_blending": True})
     config.lora_config = SimpleNamespace(max_loras=1)
     with pytest.raises(ConfigError, match="enable_blending=True.*enable_lora"):
         load_settings(config)
-    config = _vllm_config(path, {"enable_blending": False})
+    config = vllm_config(path, {"enable_blending": False})
     config.lora_config = SimpleNamespace(max_loras=1)
     assert load_settings(config).config.enable_blending is False

@@ -10,21 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fake_vllm_config import vllm_config
 
 from lmcache_backend.config import ConfigError
-
-
-def _vllm_config(path: str, extra: dict):
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, engine_id="t"),
-        model_config=SimpleNamespace(
-            hf_text_config=SimpleNamespace(num_hidden_layers=30),
-            tokenizer=path,
-            tokenizer_revision=None,
-            trust_remote_code=False,
-        ),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
 
 
 @pytest.fixture
@@ -47,7 +35,7 @@ def settings_for(tmp_path, monkeypatch):
             "blend_special_str": " # # ",
             "extra_config": {"segment_index_dir": str(tmp_path / "index")},
         }
-        return load_settings(_vllm_config(path, {**base, **extra}))
+        return load_settings(vllm_config(path, {**base, **extra}))
 
     return make
 
