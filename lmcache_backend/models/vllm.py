@@ -54,6 +54,14 @@ from lmcache_backend.models.base import (
     sliding_window_span,
 )
 from lmcache_backend.models.fingerprint import ModelFingerprint
+from lmcache_backend.models.vllm_layers import (
+    GEMMA_NORMS,
+    attention_window,
+    check_layers,
+    check_rotary,
+    cpu_rotary_op,
+    native_rotary,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +73,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
 )
-
-#: architectures with Gemma's norm layout (post-attention norm before the residual add,
-#: pre/post feed-forward norms): see the module docstring
-_GEMMA_NORMS = ("Gemma3ForCausalLM",)
-#: Gemma 3 layer kinds (``config.layer_types``) the adapter reproduces
-_GEMMA3_LAYER_KINDS = ("full_attention", "sliding_attention")
-
 
 #: vLLM implementations that ignore a config's ``head_dim`` (hidden_size / num_heads instead).
 _HEAD_DIM_FROM_HIDDEN_SIZE = ("Qwen2ForCausalLM",)
@@ -134,93 +135,6 @@ def vllm_fingerprint(vllm_config: Any) -> ModelFingerprint:
     )
 
 
-def _cpu_rotary_op() -> Any:
-    """vLLM's ``_custom_ops`` when it has the CPU rotary op, else None."""
-    from lmcache_backend.ops.device import engine_platform
-
-    try:
-        from vllm import _custom_ops
-    except ImportError:
-        return None
-    if engine_platform() != "cpu" or not hasattr(_custom_ops, "rotary_embedding"):
-        return None
-    return _custom_ops
-
-
-def _check_rotary(arch: str, attn: Any, rotary: Any) -> None:
-    """Refuse attention whose positional encoding is not one rotation per position.
-
-    Re-rotating a cached key needs ``rope(k, p) = R(p) k`` (times a constant factor, see
-    :func:`~lmcache_backend.models.base.pure_rotation_table`): the rotation tables of plain,
-    linear, dynamic-NTK, Llama-3 and YaRN scaling qualify. Multimodal RoPE (several position
-    streams), dual-chunk RoPE and Llama-4-style position-dependent query scaling do not.
-    """
-    name = type(rotary).__name__
-    problem = None
-    if not hasattr(rotary, "_compute_cos_sin_cache") or not hasattr(rotary, "is_neox_style"):
-        problem = f"its rotary embedding {name} exposes no rotation table"
-    elif "MRotary" in name or "DualChunk" in name or "Phi3LongRoPE" in name:
-        problem = f"its rotary embedding {name} is not one rotation per position"
-    elif getattr(attn, "do_llama_4_scaling", False):
-        problem = "it scales queries by position (llama_4_scaling)"
-    if problem is not None:
-        raise UnsupportedModelError(
-            f"CacheBlend cannot re-rotate cached keys of this {arch}: {problem}; "
-            "serve it without the CacheBlend connector"
-        )
-
-
-def _check_layers(arch: str, layers: Any, hf: Any) -> None:
-    """Refuse, with one line naming it, a layer kind the adapter cannot reproduce exactly:
-    attention logit softcapping, attention that is not causal, a Gemma 3 layer kind other
-    than sliding / full attention, a layer without the norms of its architecture."""
-    serve = "serve it without the CacheBlend connector"
-    gemma = arch in _GEMMA_NORMS
-    if gemma:
-        for index, kind in enumerate(getattr(hf, "layer_types", None) or []):
-            if kind not in _GEMMA3_LAYER_KINDS:
-                raise UnsupportedModelError(
-                    f"CacheBlend cannot reproduce layer {index} of this {arch}: layer kind "
-                    f"{kind!r} (supported: {', '.join(_GEMMA3_LAYER_KINDS)}); {serve}"
-                )
-    norms = ("input_layernorm", "post_attention_layernorm", "mlp")
-    if gemma:
-        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-    for index, layer in enumerate(layers):
-        missing = [name for name in norms if not hasattr(layer, name)]
-        attention = getattr(getattr(layer, "self_attn", None), "attn", None)
-        problem = None
-        if missing:
-            problem = f"it has no {', '.join(missing)}"
-        elif attention is None:
-            problem = "its attention has no vLLM attention layer"
-        elif getattr(attention, "attn_type", "decoder") != "decoder":
-            problem = f"its attention is {attention.attn_type}, not causal decoder attention"
-        elif getattr(getattr(attention, "impl", None), "logits_soft_cap", None):
-            problem = "attention logit softcapping is not reproduced"
-        if problem is not None:
-            raise UnsupportedModelError(
-                f"CacheBlend cannot reproduce layer {index} of this {arch}: {problem}; {serve}"
-            )
-
-
-def _native_rotary(rotary: Any) -> bool:
-    """Whether ``rotary`` computes plain RoPE from its ``cos_sin_cache`` (vLLM's
-    ``RotaryEmbedding`` or a subclass that only builds another table: Llama-3, YaRN, linear,
-    dynamic-NTK scaling), so vLLM's fused CPU op computes the same thing."""
-    try:
-        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    except ImportError:
-        return False
-    kind = type(rotary)
-    return (
-        isinstance(rotary, RotaryEmbedding)
-        and kind.forward_native is RotaryEmbedding.forward_native
-        and kind.forward_static is RotaryEmbedding.forward_static
-        and isinstance(getattr(rotary, "cos_sin_cache", None), torch.Tensor)
-    )
-
-
 def rms_norm(norm: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """vLLM's RMSNorm module ``norm`` over ``hidden [N, hidden]`` -> ``[N, hidden]`` in ``dtype``.
 
@@ -238,13 +152,6 @@ def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """vLLM's linear layers return ``(output, output_bias)``; plain ``nn.Linear`` a tensor."""
     out = module(x)
     return out[0] if isinstance(out, tuple) else out
-
-
-def _attention_window(layer: Any) -> int | None:
-    """The sliding window vLLM's attention layer of ``layer`` applies (a query at ``p`` sees
-    keys ``p - window + 1 .. p``), or None."""
-    window = getattr(layer.self_attn.attn, "sliding_window", None)
-    return int(window) if window else None
 
 
 class VLLMModelAdapter(ModelAdapter):
@@ -285,14 +192,14 @@ class VLLMModelAdapter(ModelAdapter):
         self.attn_scale = float(self._profile.softmax_scale(attn))
         mc = vllm_config.model_config
         hf = mc.hf_text_config if hasattr(mc, "hf_text_config") else mc.hf_config
-        _check_layers(arch, self._layers, hf)
-        self._gemma_norms = arch in _GEMMA_NORMS
+        check_layers(arch, self._layers, hf)
+        self._gemma_norms = arch in GEMMA_NORMS
         # one rotation table per distinct rotary module (Gemma 3: local and global layers)
         rotaries = [layer.self_attn.rotary_emb for layer in self._layers]
         tables: dict[int, torch.Tensor] = {}
         for layer, rotary in zip(self._layers, rotaries):
             if id(rotary) not in tables:
-                _check_rotary(arch, layer.self_attn, rotary)
+                check_rotary(arch, layer.self_attn, rotary)
                 # fp32, recomputed rather than read from the buffer (which vLLM casts to the
                 # model dtype on first use), and normalized to a pure rotation: YaRN-style
                 # tables carry an attention factor that re-rotation must not apply twice.
@@ -315,7 +222,7 @@ class VLLMModelAdapter(ModelAdapter):
         # release whose attention layer does not say: the config's window bounds the prompts
         # blended (longer ones fall back to a full prefill)
         if all(hasattr(layer.self_attn.attn, "sliding_window") for layer in self._layers):
-            self._windows = [_attention_window(layer) for layer in self._layers]
+            self._windows = [attention_window(layer) for layer in self._layers]
             self.max_exact_tokens = None
         else:
             self._windows = [None] * self.num_layers
@@ -331,8 +238,8 @@ class VLLMModelAdapter(ModelAdapter):
         # which vLLM itself only runs compiled: one kernel instead of ~20 small ops (0.1-0.6 ms
         # a layer here), and its fp32 math rounded once equals the compiled graph's, where
         # the eager code rounds after every bf16 op.
-        cpu = self.device.type == "cpu" and all(_native_rotary(r) for r in rotaries)
-        self._rope_op = _cpu_rotary_op() if cpu else None
+        cpu = self.device.type == "cpu" and all(native_rotary(r) for r in rotaries)
+        self._rope_op = cpu_rotary_op() if cpu else None
         self._rope_tables: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         # (stream returned by mlp_block, its unrounded fp32 sum): see the module docstring
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -422,7 +329,7 @@ class VLLMModelAdapter(ModelAdapter):
         """
         from lmcache_backend.ops.reference import rope_rerotate_k
 
-        ops = _cpu_rotary_op()
+        ops = cpu_rotary_op()
         if ops is None or k.device.type != "cpu" or not k.is_contiguous() or k.dim() != 3:
             return rope_rerotate_k(
                 k, old_positions, new_positions, self.cos_sin_cache, self.is_neox

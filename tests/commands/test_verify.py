@@ -47,10 +47,10 @@ def test_pure_rotation_table_rerotates_scaled_keys(is_neox) -> None:
     ids=["no-table", "mrope", "llama4-scaling"],
 )
 def test_unsupported_positional_encodings_are_refused(rotary, attn, problem) -> None:
-    from lmcache_backend.models.vllm import _check_rotary
+    from lmcache_backend.models.vllm_layers import check_rotary
 
     with pytest.raises(ValueError, match=problem):
-        _check_rotary("MistralForCausalLM", attn, rotary)
+        check_rotary("MistralForCausalLM", attn, rotary)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("vllm")
 
 from lmcache_backend.models.base import UnsupportedModelError  # noqa: E402
-from lmcache_backend.models.vllm import _check_layers  # noqa: E402
+from lmcache_backend.models.vllm_layers import check_layers  # noqa: E402
 
 _NORMS = (
     "input_layernorm",
@@ -34,7 +34,7 @@ def _config(layer_types=("sliding_attention", "full_attention")) -> SimpleNamesp
 
 
 def test_gemma3_layers_are_accepted() -> None:
-    _check_layers("Gemma3ForCausalLM", [_layer(), _layer()], _config())
+    check_layers("Gemma3ForCausalLM", [_layer(), _layer()], _config())
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def test_gemma3_layers_are_accepted() -> None:
 )
 def test_unreproduced_layers_are_refused_in_one_line(layers, config, problem) -> None:
     with pytest.raises(UnsupportedModelError, match=problem) as info:
-        _check_layers("Gemma3ForCausalLM", layers, config)
+        check_layers("Gemma3ForCausalLM", layers, config)
     message = str(info.value)
     assert "\n" not in message and "Gemma3ForCausalLM" in message, message
     assert "without the CacheBlend connector" in message
@@ -57,4 +57,4 @@ def test_unreproduced_layers_are_refused_in_one_line(layers, config, problem) ->
 
 def test_llama_layout_needs_no_feed_forward_norms() -> None:
     llama = _layer(norms=("input_layernorm", "post_attention_layernorm", "mlp"))
-    _check_layers("LlamaForCausalLM", [llama], SimpleNamespace())
+    check_layers("LlamaForCausalLM", [llama], SimpleNamespace())

@@ -17,7 +17,7 @@ from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding  # noqa: E402
 
-from lmcache_backend.models.vllm import _native_rotary  # noqa: E402
+from lmcache_backend.models.vllm_layers import native_rotary  # noqa: E402
 
 ROPES = {
     "default": {"rope_theta": 10000.0, "rope_type": "default"},
@@ -52,7 +52,7 @@ def test_fused_rope_op_is_the_modules_rope_rounded_once(name, dtype) -> None:
     module's code run in fp32 and rounded once (what the compiled graph computes); the eager
     bf16 code, rounding after each op, differs by up to a few units in the last place."""
     rope = _rope(name)
-    assert _native_rotary(rope)
+    assert native_rotary(rope)
     g = torch.Generator().manual_seed(0)
     n, heads = 300, 9
     positions = torch.randperm(4096, generator=g)[:n]
@@ -79,5 +79,5 @@ def test_only_plain_rope_modules_take_the_fused_op() -> None:
     rope = _rope("default")
     with set_current_vllm_config(VllmConfig()):
         shifted = ShiftedRope(64, 64, 4096, 10000.0, True, torch.float32)
-    assert _native_rotary(rope) and not _native_rotary(shifted)
-    assert not _native_rotary(torch.nn.Identity())
+    assert native_rotary(rope) and not native_rotary(shifted)
+    assert not native_rotary(torch.nn.Identity())
