@@ -198,23 +198,49 @@ def attention_at_positions(
     out = torch.empty(num_q, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
     if num_q == 0:
         return out
-    # SDPA wants 4-D [B, H, L, D]; 3-D inputs fall to a slower path on CPU.
-    kf = k.float().transpose(0, 1).unsqueeze(0)
-    vf = v.float().transpose(0, 1).unsqueeze(0)
     gqa = num_heads != k.shape[1]
-    key_pos = torch.arange(k.shape[0], device=q.device)
     positions = q_positions.to(device=q.device, dtype=torch.int64)
-    for start in range(0, num_q, _ATTENTION_QUERY_BLOCK):
-        stop = min(start + _ATTENTION_QUERY_BLOCK, num_q)
-        qf = q[start:stop].float().transpose(0, 1).unsqueeze(0)
-        mask = key_pos[None, :] <= positions[start:stop, None]
+    for start, stop in _query_blocks(positions, window):
+        block = positions[start:stop]
+        # only the keys some query of the block can see: up to its last position, and from
+        # its first position's window on (a sliding-window layer then costs ~window keys a
+        # query instead of the whole prompt)
+        lo = 0 if window is None else max(0, int(block.min()) - window + 1)
+        hi = int(block.max()) + 1
+        key_pos = torch.arange(lo, hi, device=q.device)
+        mask = key_pos[None, :] <= block[:, None]
         if window is not None:
-            mask &= key_pos[None, :] > positions[start:stop, None] - window
+            mask &= key_pos[None, :] > block[:, None] - window
+        # SDPA wants 4-D [B, H, L, D]; 3-D inputs fall to a slower path on CPU.
+        kf = k[lo:hi].float().transpose(0, 1).unsqueeze(0)
+        vf = v[lo:hi].float().transpose(0, 1).unsqueeze(0)
+        qf = q[start:stop].float().transpose(0, 1).unsqueeze(0)
         res = F.scaled_dot_product_attention(
             qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
         out[start:stop] = res[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def _query_blocks(positions: torch.Tensor, window: int | None) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of the queries at ``positions [Nq]``, at most
+    :data:`_ATTENTION_QUERY_BLOCK` each; with a ``window``, a block also ends before a query
+    ``window`` or more positions after the block's first (sorted positions then keep a block's
+    keys within two windows; unsorted ones stay exact, only slower)."""
+    num_q = positions.shape[0]
+    if window is None:
+        return [
+            (start, min(start + _ATTENTION_QUERY_BLOCK, num_q))
+            for start in range(0, num_q, _ATTENTION_QUERY_BLOCK)
+        ]
+    pos = positions.tolist()
+    blocks, start = [], 0
+    for i in range(1, num_q):
+        if i - start >= _ATTENTION_QUERY_BLOCK or pos[i] - pos[start] >= window:
+            blocks.append((start, i))
+            start = i
+    blocks.append((start, num_q))
+    return blocks
 
 
 def paged_kv_write(

@@ -137,6 +137,27 @@ def test_attention_window_matches_brute_force(window) -> None:
         assert not torch.allclose(out, attention_at_positions(q, k, v, positions, 0.25))
 
 
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_attention_over_key_ranges_matches_brute_force(order, window) -> None:
+    """Queries spread over a prompt many windows long: each block of queries attends over the
+    keys its positions can see only (from the first one's window to the last one), sorted or
+    not; a query near the start and the last position are both covered."""
+    torch.manual_seed(7)
+    nk, d = 400, 8
+    k, v = torch.randn(nk, 1, d), torch.randn(nk, 1, d)
+    positions = torch.cat(
+        [torch.tensor([0, 1]), torch.randperm(nk - 3)[:60] + 2, torch.tensor([nk - 1])]
+    )
+    positions = positions.unique()  # sorted
+    if order == "shuffled":
+        positions = positions[torch.randperm(positions.numel())]
+    q = torch.randn(positions.numel(), 2, d)
+    out = attention_at_positions(q, k, v, positions, 0.3, window=window)
+    expected = _attention_brute_force(q, k, v, positions, 0.3, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_leave_a_window_to_the_reference() -> None:
     """The CPU, Triton and NPU kernels have no sliding window: their verifiers decline a call
     with one (the registry then runs the reference), and accept the same call without."""
