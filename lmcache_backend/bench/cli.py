@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_backend.bench.dataset import DEFAULT_COUNT, load_dataset
+from lmcache_backend.bench.devset import prompt_shape_for
 from lmcache_backend.bench.engine_choice import ENGINE_CHOICES, EngineUnavailable, create_engine
 from lmcache_backend.bench.engines import BenchEngine
 from lmcache_backend.bench.report import LEGEND, case_dicts, format_sweep, format_table, summarize
@@ -22,6 +23,7 @@ from lmcache_backend.bench.strategies import (
     parse_ints,
     parse_schedule,
 )
+from lmcache_backend.blend.segmenting import PROMPT_SHAPES
 from lmcache_backend.data.examples import DatasetError
 
 
@@ -165,10 +167,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompt-shape",
-        choices=("separator", "stock"),
-        default="separator",
-        help="separator: the parts after blend_special_str (default); stock: LangChain's stock "
-        "RAG chat (chunks joined by blank lines in the system message, no separator)",
+        choices=PROMPT_SHAPES,
+        default=None,
+        help="separator: a chat with the parts after blend_special_str; stock: LangChain's "
+        "stock RAG chat (chunks joined by blank lines in the system message, no separator); "
+        "text: the separated parts as completions text ending in 'Answer:' (pretrained models) "
+        "(default: the embedded model's own, else separator)",
     )
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
@@ -178,6 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: where a blended request's time goes in vLLM, per prompt size, against "
         "full prefill on the same engine (python -m lmcache_backend.bench.profile; takes "
+        "--model, --prompt-shape, "
         "--repeats and --sweep-tokens)",
     )
     from lmcache_backend.bench import clients, load
@@ -235,7 +240,9 @@ def run(
     from tqdm import tqdm
 
     try:
-        examples = load_dataset(args.dataset, args.limit or DEFAULT_COUNT)
+        examples = load_dataset(
+            args.dataset, args.limit or DEFAULT_COUNT, getattr(args, "model", None)
+        )
     except (DatasetError, OSError) as exc:
         raise SystemExit(f"bench: {exc}") from None
     if args.limit:
@@ -248,7 +255,9 @@ def run(
     except EngineUnavailable as exc:
         raise SystemExit(f"bench: {exc}") from None
     _validate(args, engine.num_layers)
-    engine.prompt_shape = getattr(args, "prompt_shape", "separator")
+    engine.prompt_shape = getattr(args, "prompt_shape", None) or prompt_shape_for(
+        getattr(args, "model", None)
+    )
     skipped = [s.name for s in strategies if not engine.supports(s)]
     strategies = [s for s in strategies if engine.supports(s)]
     by_length, by_chunks = sweep_points(args.sweep_tokens, args.sweep_chunks)
@@ -335,6 +344,10 @@ def main(args: argparse.Namespace) -> int:
             argv += ["--sizes", ",".join(str(t) for t in args.sweep_tokens)]
         if args.json:
             argv += ["--json", args.json]
+        if args.model:
+            argv += ["--model", args.model]
+        if args.prompt_shape:
+            argv += ["--shape", args.prompt_shape]
         profile.main(argv)
         return 0
     run(args)

@@ -46,21 +46,24 @@ def _nonblank_line_numbers(path: str | Path) -> list[int]:
         return [n for n, line in enumerate(fh, start=1) if line.strip()]
 
 
-def load_dataset(path: str | Path | None = None, count: int = DEFAULT_COUNT) -> list[RagExample]:
-    """The examples of a JSONL file (``"dev"``: the shipped dev set), or ``count`` built-in
-    ones when ``path`` is None.
+def load_dataset(
+    path: str | Path | None = None, count: int = DEFAULT_COUNT, model: str | None = None
+) -> list[RagExample]:
+    """The examples of a JSONL file (``"dev"``: the shipped dev set of ``model``, an embedded
+    model's name, None for the default one), or ``count`` built-in ones when ``path`` is None.
 
     Raises:
         DatasetError: a line is malformed (see :func:`lmcache_backend.data.examples.load_examples`),
             an example has fewer than two chunks (nothing to reorder) or repeats an earlier id;
-            the message names the file, the line and the field.
+            the message names the file, the line and the field; no dev set ships for
+            ``model``.
     """
     if path is None:
         return builtin_examples(count=count)
     if str(path) == DEV_DATASET:
-        from lmcache_backend.bench.devset import DEVSET_PATH
+        from lmcache_backend.bench.devset import devset_path
 
-        path = DEVSET_PATH
+        path = devset_path(model)
     examples = load_examples(path)
     lines = _nonblank_line_numbers(path)
     seen: dict[str, int] = {}

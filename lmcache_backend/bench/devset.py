@@ -1,7 +1,11 @@
 """The quality dev set: synthetic RAG QA examples calibrated on the embedded model.
 
-``python -m lmcache_backend.bench.devset --out lmcache_backend/data/devset.jsonl`` regenerates
-the shipped file (``lmcache-backend bench --dataset dev`` reads it). Candidates are fictional
+``python -m lmcache_backend.bench.devset [--model NAME]`` regenerates an embedded model's shipped
+file (``lmcache-backend bench [--model NAME] --dataset dev`` reads it): ``data/devset.jsonl`` for
+SmolLM2, ``data/devset-gemma3-270m.jsonl`` for Gemma 3 270M, each calibrated on its own model
+with the prompt shape its benchmarks use (a chat for SmolLM2-Instruct; plain text ending in
+``Answer:`` for the pretrained Gemma). ``--model PATH --out FILE`` calibrates one for another
+model. Candidates are fictional
 profiles (same-type distractor chunks: every chunk is a profile with the same kinds of facts) and
 one question about one fact of one profile. A candidate is kept only if the model
 
@@ -27,9 +31,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lmcache_backend.bench.metrics import answer_correct
-from lmcache_backend.data.examples import RagExample, builtin_examples
+from lmcache_backend.blend.segmenting import PROMPT_SHAPES
+from lmcache_backend.data.embedded import embedded_spec, is_embedded_name
+from lmcache_backend.data.examples import DatasetError, RagExample, builtin_examples
 
-DEVSET_PATH = Path(__file__).resolve().parent.parent / "data" / "devset.jsonl"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DEVSET_PATH = DATA_DIR / "devset.jsonl"  # SmolLM2's
 CANDIDATE_SEED = 7331  # the built-in set uses 2024
 MIN_CHUNKS, MAX_CHUNKS = 4, 6  # ~750 to ~1,100 prompt tokens with SmolLM2's tokenizer
 
@@ -76,19 +83,47 @@ def calibrate(
     return kept
 
 
-def hf_answer(max_new_tokens: int = 16) -> Answer:
-    """Greedy answers of the embedded model (HF transformers, fp32) to a plain chat prompt."""
+def devset_path(model: str | None = None) -> Path:
+    """The shipped dev set of ``model`` (an embedded model's name; None: the default one).
+
+    Raises:
+        DatasetError: no dev set ships for that model (the message says how to make one).
+    """
+    if model is None or is_embedded_name(model):
+        return DATA_DIR / embedded_spec(model).devset
+    raise DatasetError(
+        f"--dataset dev: no calibrated dev set ships for --model {model!r}; make one with "
+        f"`python -m lmcache_backend.bench.devset --model {model} --out FILE` and pass "
+        "--dataset FILE"
+    )
+
+
+def prompt_shape_for(model: str | None = None) -> str:
+    """The prompt shape the benchmarks use for ``model``: the embedded model's own, else
+    ``separator`` (a chat)."""
+    if model is None or is_embedded_name(model):
+        return embedded_spec(model).prompt_shape
+    return "separator"
+
+
+def hf_answer(
+    max_new_tokens: int = 16, model_name: str | None = None, shape: str | None = None
+) -> Answer:
+    """Greedy answers of a model (HF transformers, fp32; default: the embedded SmolLM2) to an
+    example posed in ``shape`` (default: the model's, :func:`prompt_shape_for`)."""
     import torch
 
-    from lmcache_backend.blend.segmenting import build_blend_prompt
+    from lmcache_backend.blend.segmenting import shaped_prompt
     from lmcache_backend.data.embedded import load_embedded_model
 
-    model, tokenizer = load_embedded_model()
+    model, tokenizer = load_embedded_model(name=model_name)
+    shape = shape or prompt_shape_for(model_name)
     stop = {tokenizer.eos_token_id}
+    stop.update(getattr(model.generation_config, "eos_token_id", None) or [])
 
     @torch.no_grad()
     def answer(system: str, chunks: list[str], question: str) -> str:
-        ids = build_blend_prompt(tokenizer, system, chunks, question).token_ids
+        ids = shaped_prompt(tokenizer, shape, system, chunks, question)
         out = model.generate(
             torch.tensor([ids]),
             max_new_tokens=max_new_tokens,
@@ -110,17 +145,30 @@ def write_jsonl(examples: Iterable[RagExample], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEVSET_PATH)
+    parser.add_argument(
+        "--model", default=None, help="embedded model name or model folder (default: smollm2)"
+    )
+    parser.add_argument(
+        "--prompt-shape", choices=PROMPT_SHAPES, default=None, help="default: the model's"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: the embedded model's shipped file"
+    )
     parser.add_argument("--candidates", type=int, default=400)
     parser.add_argument("--want", type=int, default=120, help="stop after this many kept")
     parser.add_argument(
         "--seed", type=int, default=CANDIDATE_SEED, help="candidate seed (another one: held out)"
     )
     args = parser.parse_args(argv)
+    try:
+        out = args.out or devset_path(args.model)
+    except DatasetError as exc:
+        parser.error(f"{exc} (or give --out FILE)")
     pool = candidates(args.candidates, seed=args.seed)
-    kept = calibrate(pool, hf_answer(), args.want)
-    write_jsonl(kept, args.out)
-    print(f"kept {len(kept)} examples -> {args.out}", file=sys.stderr)
+    answer = hf_answer(model_name=args.model, shape=args.prompt_shape)
+    kept = calibrate(pool, answer, args.want)
+    write_jsonl(kept, out)
+    print(f"kept {len(kept)} of {len(pool)} candidates or fewer -> {out}", file=sys.stderr)
     return 0 if kept else 1
 
 

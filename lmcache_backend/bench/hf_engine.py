@@ -15,7 +15,7 @@ from lmcache_backend.bench.engines import (
     reusable_prefix,
 )
 from lmcache_backend.bench.strategies import BLEND, EPIC, FULL, PREFIX, Strategy
-from lmcache_backend.blend.segmenting import build_blend_prompt, stock_rag_prompt
+from lmcache_backend.blend.segmenting import shaped_prompt
 
 
 class HFEngine:
@@ -52,16 +52,18 @@ class HFEngine:
             "blend_min_tokens": self.core.config.blend_min_tokens,
         }
 
-    #: ``separator`` (the parts after ``blend_special_str``) or ``stock`` (LangChain's stock
-    #: RAG chat, no separator: :func:`~lmcache_backend.blend.segmenting.stock_rag_prompt`)
+    #: how examples are posed: one of :data:`~lmcache_backend.blend.segmenting.PROMPT_SHAPES`
     prompt_shape = "separator"
 
     def prompt_ids(self, system: str, chunks: Sequence[str], question: str) -> list[int]:
-        if self.prompt_shape == "stock":
-            return stock_rag_prompt(self.tokenizer, system, chunks, question)
-        return build_blend_prompt(
-            self.tokenizer, system, chunks, question, self.core.config.blend_special_str
-        ).token_ids
+        return shaped_prompt(
+            self.tokenizer,
+            self.prompt_shape,
+            system,
+            chunks,
+            question,
+            self.core.config.blend_special_str,
+        )
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))

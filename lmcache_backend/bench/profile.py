@@ -1,8 +1,8 @@
 """Where a blended request's time goes, and what it costs against full prefill, in one vLLM engine.
 
-``python -m lmcache_backend.bench.profile [--sizes 1000,2000,4000] [--repeats 3]`` (also
-``lmcache-backend bench --profile``) starts one vLLM engine with the CacheBlend connector
-(``profile: true``, prefix caching off) and, per prompt size:
+``python -m lmcache_backend.bench.profile [--model NAME|PATH] [--sizes 1000,2000,4000]
+[--repeats 3]`` (also ``lmcache-backend bench --profile``) starts one vLLM engine with the
+CacheBlend connector (``profile: true``, prefix caching off) and, per prompt size:
 
 1. stores the chunks of a RAG prompt with one question (a full prefill);
 2. asks the prompt with the chunks reordered and a *new question every request*, rounds of
@@ -14,6 +14,10 @@
 4. with ``--ops N``, runs one more such request under ``torch.profiler`` and prints its ``N``
    costliest operators by input shape (the engine then runs in this process, so the profiler
    sees the worker: the blend, vLLM's forward of the question and sampling).
+
+It also reports each strategy's peak memory: the engine process's peak resident set while the
+request ran (Linux ``VmHWM``, reset before each request), median over the rounds, and the
+resident set before the size's first request.
 
 Every number comes from the same engine, so full prefill and CacheBlend run on the same cores.
 """
@@ -27,6 +31,8 @@ import os
 import statistics
 import tempfile
 import time
+
+from lmcache_backend.blend.segmenting import PROMPT_SHAPES
 
 #: the blend path's phases, in the order they run (``BlendRecord.profile`` keys)
 PHASES = (
@@ -52,12 +58,14 @@ PHASES = (
 
 
 def _prompts(tok, size: int, rounds: int, separator: str, shape: str = "separator"):
-    """The warm-up prompt and ``rounds`` reordered prompts with new questions, ~``size`` tokens.
+    """The warm-up prompt and ``rounds`` reordered prompts with new questions, ~``size`` tokens
+    (12 chunks at most: beyond 2k tokens a chunk repeats its profile to grow).
 
-    ``shape``: ``separator`` puts ``separator`` before every chunk and the question;
-    ``stock`` is LangChain's stock RAG prompt (the chunks joined by blank lines in the system
-    message, the question alone in the user message), with no separator."""
-    from lmcache_backend.blend.segmenting import build_blend_prompt, stock_rag_prompt
+    ``shape`` (:data:`~lmcache_backend.blend.segmenting.PROMPT_SHAPES`): ``separator`` puts
+    ``separator`` before every chunk and the question; ``stock`` is LangChain's stock RAG
+    prompt (the chunks joined by blank lines in the system message, the question alone in the
+    user message), with no separator; ``text`` the separated prompt as completions text."""
+    from lmcache_backend.blend.segmenting import shaped_prompt
     from lmcache_backend.data.examples import builtin_examples, reordered
 
     per_k = max(1, round(size / 1000))
@@ -68,9 +76,7 @@ def _prompts(tok, size: int, rounds: int, separator: str, shape: str = "separato
     asked = reordered(chunks, seed=1)
 
     def ids(parts, question):
-        if shape == "stock":
-            return stock_rag_prompt(tok, ex.system, parts, question)
-        return build_blend_prompt(tok, ex.system, parts, question, separator).token_ids
+        return shaped_prompt(tok, shape, ex.system, parts, question, separator)
 
     warm = ids(chunks, "Which of these people was born first?")
     return warm, [ids(asked, f"{ex.question} (request {i})") for i in range(rounds)]
@@ -78,6 +84,12 @@ def _prompts(tok, size: int, rounds: int, separator: str, shape: str = "separato
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        metavar="PATH|NAME",
+        default=None,
+        help="model folder or embedded model (smollm2, gemma3-270m; default: smollm2)",
+    )
     parser.add_argument("--sizes", default="1000,2000,4000", help="prompt sizes in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per size")
     parser.add_argument(
@@ -92,10 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--shape",
-        choices=("separator", "stock"),
-        default="separator",
-        help="prompt shape: chunks after blend_special_str, or LangChain's stock RAG prompt "
-        "(chunks joined by blank lines in the system message, no separator)",
+        choices=PROMPT_SHAPES,
+        default=None,
+        help="prompt shape: chunks after blend_special_str in a chat (separator), LangChain's "
+        "stock RAG prompt (chunks joined by blank lines in the system message, no separator) "
+        "or completions text (text); default: the model's",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument(
@@ -111,11 +124,13 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoConfig, AutoTokenizer
 
+    from lmcache_backend.bench.devset import prompt_shape_for
     from lmcache_backend.config import load_config
-    from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.data.embedded import resolve_model
     from lmcache_backend.integration.vllm.offline import generate_one, offline_engine, read_records
 
-    path = str(embedded_model_path())
+    path = resolve_model(args.model)
+    shape = args.shape or prompt_shape_for(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     layers = int(AutoConfig.from_pretrained(path).num_hidden_layers)
     separator = load_config().blend_special_str
@@ -125,10 +140,14 @@ def main(argv: list[str] | None = None) -> None:
         stats_file=stats,
         extra_config={"profile": True, "engine_forward": not args.layerwise},
         enforce_eager=args.eager,
+        # room for the largest prompt (the sizes are approximate) and its answer
+        max_model_len=max(8192, int(1.1 * max(sizes)) + 256),
     )
+    memory = PeakMemory()
 
     def ask(ids, params):
         before = len(read_records(stats))
+        memory.reset()
         start = time.perf_counter()
         generate_one(llm, ids, 1, params)
         ttft = time.perf_counter() - start
@@ -141,9 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     med = statistics.median
     results = []
     for size in sizes:
-        warm, asked = _prompts(tok, size, args.repeats + 1, separator, args.shape)
+        warm, asked = _prompts(tok, size, args.repeats + 1, separator, shape)
+        resident = memory.resident_mib()
         ask(warm, {"blend": False})  # computes and stores the chunks
         times: dict[str, list[float]] = {name: [] for name, _ in modes}
+        peaks: dict[str, list[float]] = {name: [] for name, _ in modes}
         token_layers: dict[str, list[float]] = {name: [] for name, _ in modes}
         phases: list[dict] = []
         attention: list[float] = []  # the profiled ratio's share of full prefill's attention
@@ -153,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                 if i == 0:
                     continue
                 times[name].append(ttft)
+                peaks[name].append(memory.peak_mib())
                 fraction = rec["token_layer_fraction"] if rec else 1.0
                 token_layers[name].append(fraction * len(ids) * layers)
                 if name == profiled and rec and rec.get("profile"):
@@ -170,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
             },
             "full_us_per_token_layer": round(1e6 * full / (n * layers), 2),
         }
+        if resident is not None:
+            row["resident_mib_before"] = round(resident)
+            row["peak_mib"] = {k: round(med(v)) for k, v in peaks.items()}
         if len(ratios) > 1:
             lo, hi = f"CacheBlend {ratios[0]:g}", f"CacheBlend {ratios[-1]:g}"
             extra = med(token_layers[hi]) - med(token_layers[lo])
@@ -191,6 +216,50 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
     llm.llm_engine.engine_core.shutdown()
+
+
+class PeakMemory:
+    """The engine process's peak resident set (Linux ``/proc``): the largest of this process and
+    its children (vLLM's engine core runs in a child unless multiprocessing is off). Elsewhere
+    every figure is None."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._me = psutil.Process()
+
+    def _pids(self) -> list[int]:
+        return [self._me.pid] + [c.pid for c in self._me.children(recursive=True)]
+
+    @staticmethod
+    def _status(pid: int, field: str) -> float | None:
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1]) / 1024.0  # kB -> MiB
+        except OSError:
+            return None
+        return None
+
+    def _largest(self, field: str) -> float | None:
+        values = [v for v in (self._status(p, field) for p in self._pids()) if v is not None]
+        return max(values) if values else None
+
+    def reset(self) -> None:
+        """Start a new peak: ``5`` in ``clear_refs`` sets ``VmHWM`` to the current RSS."""
+        for pid in self._pids():
+            try:
+                with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as fh:
+                    fh.write("5")
+            except OSError:
+                pass
+
+    def peak_mib(self) -> float | None:
+        return self._largest("VmHWM")
+
+    def resident_mib(self) -> float | None:
+        return self._largest("VmRSS")
 
 
 def _operators(request, top: int) -> list[dict]:
@@ -216,10 +285,16 @@ def _operators(request, top: int) -> list[dict]:
 def _print(row: dict, profiled: str) -> None:
     load = ", ".join(f"{x:.2f}" for x in row["load_average"])
     print(f"\n== {row['prompt_tokens']} prompt tokens (load average {load})")
+    peaks = row.get("peak_mib", {})
     for name, ms in row["ttft_ms"].items():
         frac = row["token_layer_fraction"][name]
         ratio = row["ratio_to_full"][name]
-        print(f"  {name:<16} TTFT {ms:8.1f} ms  {ratio:5.2f}x of full   token-layers {frac:.0%}")
+        line = f"  {name:<16} TTFT {ms:8.1f} ms  {ratio:5.2f}x of full   token-layers {frac:.0%}"
+        if peaks.get(name) is not None:
+            line += f"   peak RSS {peaks[name]} MiB"
+        print(line)
+    if "resident_mib_before" in row:
+        print(f"  resident before the size's first request: {row['resident_mib_before']} MiB")
     line = f"  full prefill: {row['full_us_per_token_layer']:.1f} us per token-layer"
     if "marginal_us_per_token_layer" in row:
         m = row["marginal_us_per_token_layer"]

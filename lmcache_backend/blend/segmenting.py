@@ -291,3 +291,38 @@ def stock_rag_prompt(
     ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return _encode(tokenizer, text)
+
+
+#: How a benchmark poses a RAG example (:func:`shaped_prompt`): ``separator`` (a chat whose user
+#: message holds the separated chunks and the question), ``stock`` (LangChain's stock chat, no
+#: separator) or ``text`` (the separated prompt as plain completions text ending in ``Answer:``,
+#: for pretrained models that do not follow chat turns).
+PROMPT_SHAPES = ("separator", "stock", "text")
+
+
+def shaped_prompt(
+    tokenizer: Any,
+    shape: str,
+    system: str,
+    chunks: Sequence[str],
+    question: str,
+    blend_special_str: str = " # # ",
+) -> list[int]:
+    """Token ids of one RAG example posed in ``shape`` (one of :data:`PROMPT_SHAPES`).
+
+    ``text`` is ``system + SEP + chunk_1 + ... + SEP + "Question: <question>\\nAnswer:"``
+    encoded as vLLM's completions endpoint does (the tokenizer's BOS, no chat template).
+
+    Raises:
+        ValueError: an unknown shape (the message names it and the known ones).
+    """
+    if shape == "stock":
+        return stock_rag_prompt(tokenizer, system, chunks, question)
+    if shape == "text":
+        posed = f"Question: {question}\nAnswer:"
+        return build_blend_prompt(
+            tokenizer, system, chunks, posed, blend_special_str, use_chat_template=False
+        ).token_ids
+    if shape == "separator":
+        return build_blend_prompt(tokenizer, system, chunks, question, blend_special_str).token_ids
+    raise ValueError(f"prompt shape {shape!r} is not one of {', '.join(PROMPT_SHAPES)}")

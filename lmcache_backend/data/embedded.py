@@ -70,6 +70,11 @@ class EmbeddedModel:
         install: the command that installs it.
         version: bumped when the conversion changes (a cached folder of another version is
             converted again).
+        prompt_shape: how the benchmarks pose RAG examples to it
+            (:data:`~lmcache_backend.blend.segmenting.PROMPT_SHAPES`): a chat for an
+            instruction-tuned model, ``text`` for a pretrained one.
+        devset: its calibrated dev set, a file in ``lmcache_backend/data``
+            (``lmcache-backend bench --model NAME --dataset dev``).
     """
 
     key: str
@@ -80,6 +85,8 @@ class EmbeddedModel:
     gguf: Callable[[EmbeddedModel], Path]
     finish: Callable[[Path, object], None] | None = None
     version: int = 1
+    prompt_shape: str = "separator"
+    devset: str = "devset.jsonl"
 
     def missing(self) -> str:
         """The one-line message for a missing package."""
@@ -152,6 +159,9 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             gguf=_gemma3_gguf,
             finish=_gemma3_finish,
             version=2,
+            # the package holds the pretrained model: it continues text, it does not chat
+            prompt_shape="text",
+            devset="devset-gemma3-270m.jsonl",
         ),
     )
 }
@@ -294,12 +304,12 @@ def _convert(spec: EmbeddedModel, gguf: Path, target: Path, stamp: dict) -> None
 
 
 def load_embedded_model(dtype=None, name: str | None = None):
-    """Return ``(model, tokenizer)`` for the embedded model ``name`` (default: SmolLM2), fp32
-    by default, in eval mode."""
+    """Return ``(model, tokenizer)`` for the embedded model ``name`` (default: SmolLM2; also a
+    model folder), fp32 by default, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = embedded_model_path(name)
+    path = resolve_model(name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     model.eval()
