@@ -130,16 +130,17 @@ def create_store(
         else None
     )
     copy_on_get = settings.copy_on_get
+    policies = {"eviction": settings.cache_policy, "admission": settings.cache_admission}
     tiers: list[Tier] = []
     device_gb = settings.max_local_device_size
     if device is not None and torch.device(device).type != "cpu" and device_gb > 0:
-        tiers.append(MemoryTier(device, int(device_gb * GB), "device", copy_on_get))
+        tiers.append(MemoryTier(device, int(device_gb * GB), "device", copy_on_get, **policies))
     if config.local_cpu:
         # page-locked on a CUDA host: the blend's copies of each layer to the GPU run
         # asynchronously, overlapping the previous layer's compute (blend/cached_kv.py)
         pinned = device is not None and torch.device(device).type == "cuda"
         capacity = int(config.max_local_cpu_size * GB)
-        tiers.append(MemoryTier("cpu", capacity, "cpu", copy_on_get, pin_memory=pinned))
+        tiers.append(MemoryTier("cpu", capacity, "cpu", copy_on_get, pin_memory=pinned, **policies))
     folder = _disk_folder(config)
     if folder is not None and shard:
         folder = os.path.join(folder, shard)

@@ -18,6 +18,12 @@ from typing import Any
 
 from lmcache_backend.config import BlendConfig, ConfigError
 from lmcache_backend.storage.auth import MIN_SECRET_BYTES
+from lmcache_backend.storage.policy import (
+    ADMISSION_POLICIES,
+    DEFAULT_ADMISSION,
+    DEFAULT_EVICTION,
+    EVICTION_POLICIES,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,18 @@ def _flag(value: Any) -> bool:
     raise ValueError("expected true or false")
 
 
+def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    """One of ``choices``, case-insensitive (LMCache writes ``LRU``)."""
+
+    def parse(value: Any) -> str:
+        text = value.strip().lower() if isinstance(value, str) else None
+        if text not in choices:
+            raise ValueError(f"choose one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
 def _text(value: Any) -> str:
     if not isinstance(value, str) or not value or "\0" in value:
         raise ValueError("expected a non-empty string")
@@ -73,6 +91,9 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "segment_index": (_flag, True),
     # folder of the index; default /dev/shm/lmcache_backend-<uid>/index/<instance_id>
     "segment_index_dir": (_optional(_text), None),
+    # which entries the memory tiers evict first, and which new ones they store when full
+    "cache_policy": (_choice(EVICTION_POLICIES), DEFAULT_EVICTION),
+    "cache_admission": (_choice(ADMISSION_POLICIES), DEFAULT_ADMISSION),
     # return copies from memory tiers so callers may work on results in place
     "copy_on_get": (_flag, True),
     # namespace of the keys in Redis; None: "lmcache_backend:segment:"
@@ -105,6 +126,8 @@ class StoreSettings:
     max_local_device_size: float = 0.0
     segment_index: bool = True
     segment_index_dir: str | None = None
+    cache_policy: str = DEFAULT_EVICTION
+    cache_admission: str = DEFAULT_ADMISSION
     copy_on_get: bool = True
     remote_key_prefix: str | None = None
     remote_timeout: float = 1.0

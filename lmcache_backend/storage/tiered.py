@@ -3,7 +3,8 @@
 * ``put`` writes through to every tier (each keeps the first entry stored under a key), so a
   tier can evict on its own without moving data down.
 * ``get`` asks the tiers in order; a hit in a slower tier is copied into every faster tier.
-* Each tier evicts least recently used entries within its own capacity.
+* Each tier evicts within its own capacity, by its policy (memory tiers: LRU or S3-FIFO, and
+  optionally second-sight admission; disk: LRU), see :mod:`lmcache_backend.storage.policy`.
 * A :class:`~lmcache_backend.storage.index.SegmentIndex` (optional) mirrors which keys the local
   tiers hold, for a scheduler in another process (see :mod:`lmcache_backend.storage.index`).
 """
@@ -144,7 +145,8 @@ class TieredStore(SegmentStore):
         """Hits per tier, misses, bytes held per tier, entries (``stored``) and their bytes
         (``stored_bytes``) written to each tier, entries that left each tier (``evicted``:
         evicted, or removed as corrupted), and the values a shared tier refused for a missing or
-        wrong authentication tag (``rejected``). Counts are since the store was built."""
+        wrong authentication tag (``rejected``), and the new segments a tier's admission policy
+        did not store (``admission_skipped``). Counts are since the store was built."""
         with self._stats_lock:
             return {
                 "hits": dict(self._hits),
@@ -154,6 +156,11 @@ class TieredStore(SegmentStore):
                 "evicted": dict(self._evicted),
                 "bytes": {t.name: t.nbytes for t in self.tiers},
                 "rejected": {t.name: t.rejected for t in self.tiers if hasattr(t, "rejected")},
+                "admission_skipped": {
+                    t.name: t.admission_skipped
+                    for t in self.tiers
+                    if hasattr(t, "admission_skipped")
+                },
             }
 
     def close(self) -> None:

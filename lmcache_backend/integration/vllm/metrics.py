@@ -110,6 +110,11 @@ METRICS: dict[str, tuple[str, str | None, str]] = {
         "tier",
         "Segments that left a store tier (evicted, or removed as corrupted), by tier.",
     ),
+    "vllm:cacheblend_store_admission_skipped": (
+        COUNTER,
+        "tier",
+        "New segments a store tier did not keep: its admission policy wanted a second sight.",
+    ),
     "vllm:cacheblend_store_bytes": (
         GAUGE,
         "tier",

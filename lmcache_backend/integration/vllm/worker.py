@@ -283,6 +283,7 @@ class WorkerSide:
             ("stored", "vllm:cacheblend_store_stored"),
             ("stored_bytes", "vllm:cacheblend_store_stored_bytes"),
             ("evicted", "vllm:cacheblend_store_evictions"),
+            ("admission_skipped", "vllm:cacheblend_store_admission_skipped"),
         ):
             for tier, value in store.get(key, {}).items():
                 out.inc(name, value - last.get(key, {}).get(tier, 0), tier)

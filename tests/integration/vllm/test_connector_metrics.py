@@ -160,3 +160,27 @@ def test_the_worker_hands_over_new_blends_and_store_activity_once() -> None:
     side.rank = 1
     side.stats.records.append(record())
     assert side.take_metrics() is None, "only rank 0 reports"
+
+
+def test_the_worker_hands_over_segments_the_store_did_not_admit() -> None:
+    import torch
+
+    from lmcache_backend.integration.vllm.stats import BlendStats
+    from lmcache_backend.integration.vllm.worker import WorkerSide
+    from lmcache_backend.storage import MemoryTier, TieredStore
+    from lmcache_backend.storage.segments import SegmentKV
+
+    kv = SegmentKV(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), 0)
+    side = WorkerSide.__new__(WorkerSide)  # the metrics' state only, no engine
+    side.rank, side._records_counted, side._store_counted = 0, 0, {}
+    side.stats = BlendStats(num_layers=2, stats_file=None, profile=False)
+    tier = MemoryTier("cpu", kv.nbytes, name="cpu", admission="second_sight")
+    side.store = TieredStore([tier])
+    for key in ("ab" * 16, "cd" * 16, "ef" * 16):  # the store is full after the first
+        side.store.put(key, kv)
+    counters = side.take_metrics().data["counters"]
+    assert counters["vllm:cacheblend_store_admission_skipped"] == {"cpu": 2}
+    side.store.put("ef" * 16, kv)  # seen again (still remembered): stored, nothing skipped
+    counters = side.take_metrics().data["counters"]
+    assert "vllm:cacheblend_store_admission_skipped" not in counters
+    assert counters["vllm:cacheblend_store_evictions"] == {"cpu": 1}
