@@ -198,6 +198,8 @@ def _read_secret_file(path: str, fail: Callable[[str], ConfigError]) -> bytes:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
         raise fail(f"cannot open it ({exc.strerror})") from None
+    except ValueError:  # a character the file system's encoding cannot hold
+        raise fail("cannot open it (not a valid path here)") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -121,13 +121,14 @@ def test_create_store_reads_the_secret_file(server, tmp_path) -> None:
         ({"shared_secret": "short"}, r"extra_config.shared_secret .*<hidden, 5 bytes>.*at least"),
         ({"shared_secret_file": "/nonexistent/secret"}, r"shared_secret_file .*cannot open"),
         ({"shared_secret_file": "/"}, r"shared_secret_file .*"),
+        ({"shared_secret_file": "/tmp/\ud800"}, r"shared_secret_file .*not a valid path"),
         (
             {"shared_secret": "x" * 20, "shared_secret_file": "/etc/hostname"},
             "not both",
         ),
         ({"shared_secret": 12345678901234567890}, r"shared_secret .*<hidden>"),
     ],
-    ids=["short", "missing file", "a folder", "both", "not a string"],
+    ids=["short", "missing file", "a folder", "unencodable path", "both", "not a string"],
 )
 def test_bad_secret_settings_name_the_key_and_hide_the_value(server, tmp_path, extra, match):
     config = _config(server, tmp_path, **extra)
