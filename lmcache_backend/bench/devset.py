@@ -119,7 +119,8 @@ def hf_answer(
     model, tokenizer = load_embedded_model(name=model_name)
     shape = shape or prompt_shape_for(model_name)
     stop = {tokenizer.eos_token_id}
-    stop.update(getattr(model.generation_config, "eos_token_id", None) or [])
+    configured = getattr(model.generation_config, "eos_token_id", None)  # an id or a list
+    stop.update([configured] if isinstance(configured, int) else configured or [])
 
     @torch.no_grad()
     def answer(system: str, chunks: list[str], question: str) -> str:

@@ -58,8 +58,9 @@ PHASES = (
 
 
 def _prompts(tok, size: int, rounds: int, separator: str, shape: str = "separator"):
-    """The warm-up prompt and ``rounds`` reordered prompts with new questions, ~``size`` tokens
-    (12 chunks at most: beyond 2k tokens a chunk repeats its profile to grow).
+    """The warm-up prompt and ``rounds`` reordered prompts with new questions, about ``size``
+    tokens of ``tok``: 6 profiles a thousand tokens up to 12 chunks, each chunk repeating its
+    profile as often as the size needs beyond that.
 
     ``shape`` (:data:`~lmcache_backend.blend.segmenting.PROMPT_SHAPES`): ``separator`` puts
     ``separator`` before every chunk and the question; ``stock`` is LangChain's stock RAG
@@ -69,15 +70,16 @@ def _prompts(tok, size: int, rounds: int, separator: str, shape: str = "separato
     from lmcache_backend.data.examples import builtin_examples, reordered
 
     per_k = max(1, round(size / 1000))
-    chunks_n = min(12, 6 * per_k)  # a profile is ~180 tokens
-    repeat = max(1, round(6 * per_k / chunks_n))
+    chunks_n = min(12, 6 * per_k)  # a profile is ~180 tokens (SmolLM2), ~130 (Gemma 3)
     ex = builtin_examples(1, chunks_per_example=chunks_n, seed=size)[0]
-    chunks = [" ".join([c] * repeat) for c in ex.chunks]
-    asked = reordered(chunks, seed=1)
 
     def ids(parts, question):
         return shaped_prompt(tok, shape, ex.system, parts, question, separator)
 
+    once = len(ids(ex.chunks, ex.question))
+    repeat = max(1, round(size / once))
+    chunks = [" ".join([c] * repeat) for c in ex.chunks]
+    asked = reordered(chunks, seed=1)
     warm = ids(chunks, "Which of these people was born first?")
     return warm, [ids(asked, f"{ex.question} (request {i})") for i in range(rounds)]
 
@@ -110,6 +112,12 @@ def main(argv: list[str] | None = None) -> None:
         "stock RAG prompt (chunks joined by blank lines in the system message, no separator) "
         "or completions text (text); default: the model's",
     )
+    parser.add_argument(
+        "--layers-per-step",
+        type=int,
+        default=0,
+        help="the connector's blend_layers_per_step (0, the default: blends run at once)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument(
         "--ops", type=int, default=0, metavar="N", help="also print the N costliest operators"
@@ -134,14 +142,19 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     layers = int(AutoConfig.from_pretrained(path).num_hidden_layers)
     separator = load_config().blend_special_str
+    prompts = {size: _prompts(tok, size, args.repeats + 1, separator, shape) for size in sizes}
+    longest = max(len(p) for warm, asked in prompts.values() for p in [warm, *asked])
     stats = os.path.join(tempfile.mkdtemp(prefix="lmcache-profile-"), "stats.jsonl")
     llm = offline_engine(
         path,
         stats_file=stats,
-        extra_config={"profile": True, "engine_forward": not args.layerwise},
+        extra_config={
+            "profile": True,
+            "engine_forward": not args.layerwise,
+            "blend_layers_per_step": args.layers_per_step,
+        },
         enforce_eager=args.eager,
-        # room for the largest prompt (the sizes are approximate) and its answer
-        max_model_len=max(8192, int(1.1 * max(sizes)) + 256),
+        max_model_len=max(8192, longest + 8),  # the longest prompt and its one output token
     )
     memory = PeakMemory()
 
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     med = statistics.median
     results = []
     for size in sizes:
-        warm, asked = _prompts(tok, size, args.repeats + 1, separator, shape)
+        warm, asked = prompts[size]
         resident = memory.resident_mib()
         ask(warm, {"blend": False})  # computes and stores the chunks
         times: dict[str, list[float]] = {name: [] for name, _ in modes}

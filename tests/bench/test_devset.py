@@ -5,12 +5,22 @@ from __future__ import annotations
 import pytest
 
 from lmcache_backend.bench.dataset import load_dataset
-from lmcache_backend.bench.devset import DEVSET_PATH, calibrate, candidates, gold_chunk
-from lmcache_backend.data.examples import builtin_examples
+from lmcache_backend.bench.devset import (
+    DEVSET_PATH,
+    calibrate,
+    candidates,
+    devset_path,
+    gold_chunk,
+    prompt_shape_for,
+)
+from lmcache_backend.data.examples import DatasetError, builtin_examples
+
+MODELS = [None, "gemma3-270m"]  # the embedded models, each with a dev set of its own
 
 
-def test_shipped_devset_has_enough_distinct_examples() -> None:
-    examples = load_dataset("dev")
+@pytest.mark.parametrize("model", MODELS)
+def test_shipped_devset_has_enough_distinct_examples(model) -> None:
+    examples = load_dataset("dev", model=model)
     assert len(examples) >= 100
     assert len({ex.id for ex in examples}) == len(examples)
     builtin_chunks = {c for ex in builtin_examples(count=12) for c in ex.chunks}
@@ -22,14 +32,25 @@ def test_shipped_devset_has_enough_distinct_examples() -> None:
         assert not builtin_chunks & set(ex.chunks)  # another seed than the built-in set
 
 
-def test_shipped_devset_is_the_first_candidates_that_calibrate() -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_shipped_devset_is_the_first_candidates_that_calibrate(model) -> None:
     """Every shipped example is a candidate of the generator, in the generator's order."""
-    shipped = load_dataset(str(DEVSET_PATH))
+    shipped = load_dataset(str(devset_path(model)))
     pool = {ex.id: ex for ex in candidates(int(shipped[-1].id.split("-")[1]) + 1)}
     ids = [ex.id for ex in shipped]
     assert ids == sorted(ids)
     for ex in shipped:
         assert pool[ex.id] == ex
+
+
+def test_each_embedded_model_has_its_own_devset_and_prompt_shape(tmp_path) -> None:
+    assert devset_path(None) == DEVSET_PATH
+    assert devset_path("gemma3-270m").name == "devset-gemma3-270m.jsonl"
+    assert load_dataset("dev", model="gemma3-270m") != load_dataset("dev")
+    assert (prompt_shape_for(None), prompt_shape_for("gemma3-270m")) == ("separator", "text")
+    assert prompt_shape_for(str(tmp_path)) == "separator"  # a model folder of the user's
+    with pytest.raises(DatasetError, match=r"--model .*bench.devset --model"):
+        load_dataset("dev", model=str(tmp_path))
 
 
 def test_calibrate_keeps_examples_answered_from_gold_only() -> None:
@@ -49,8 +70,9 @@ def test_calibrate_keeps_examples_answered_from_gold_only() -> None:
 
 
 @pytest.mark.slow
-def test_first_shipped_examples_calibrate_on_the_embedded_model() -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_first_shipped_examples_calibrate_on_the_embedded_model(model) -> None:
     from lmcache_backend.bench.devset import hf_answer
 
-    shipped = load_dataset("dev")[:3]
-    assert calibrate(shipped, hf_answer()) == shipped
+    shipped = load_dataset("dev", model=model)[:3]
+    assert calibrate(shipped, hf_answer(model_name=model)) == shipped

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from lmcache_backend.blend.segmenting import (
+    PROMPT_SHAPES,
     Segment,
     build_blend_prompt,
     separator_pattern,
     separator_token_ids,
+    shaped_prompt,
     split_segments,
 )
 
@@ -103,6 +105,25 @@ def test_build_blend_prompt(tokenizers, which: int, chat: bool) -> None:
         assert bos not in prompt.token_ids[1:]
     text = tok.decode(prompt.token_ids)
     assert "Who owns a cat?" in text and "Alice lives in Paris." in text
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["no-bos", "bos"])
+def test_prompt_shapes(tokenizers, which: int) -> None:
+    """``text`` is the separated prompt as plain completions text ending in ``Answer:`` (no
+    chat turns), ``separator`` the chat one; an unknown shape names itself."""
+    tok = tokenizers[which]
+    chunks = ["Alice lives in Paris.", "Bob owns a cat named Tom."]
+    text = shaped_prompt(tok, "text", "Use the context.", chunks, "Who owns a cat?")
+    assert text == tok.encode(
+        "Use the context. # # Alice lives in Paris. # # Bob owns a cat "
+        "named Tom. # # Question: Who owns a cat?\nAnswer:"
+    )
+    assert len(separator_pattern(tok, " # # ").split(text)) == len(chunks) + 2
+    chat = shaped_prompt(tok, "separator", "Use the context.", chunks, "Who owns a cat?")
+    assert chat == build_blend_prompt(tok, "Use the context.", chunks, "Who owns a cat?").token_ids
+    assert set(PROMPT_SHAPES) == {"separator", "stock", "text"}
+    with pytest.raises(ValueError, match="prompt shape 'chat' is not one of separator, stock"):
+        shaped_prompt(tok, "chat", "s", chunks, "q")
 
 
 def test_reordered_chunks_keep_their_ids(tokenizers) -> None:
