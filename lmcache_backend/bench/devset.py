@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     answer = hf_answer(model_name=args.model, shape=args.prompt_shape)
     kept = calibrate(pool, answer, args.want)
     write_jsonl(kept, out)
-    print(f"kept {len(kept)} of {len(pool)} candidates or fewer -> {out}", file=sys.stderr)
+    print(f"kept {len(kept)} examples -> {out}", file=sys.stderr)
     return 0 if kept else 1
 
 

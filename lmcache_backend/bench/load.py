@@ -63,6 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> 
     g.add_argument("--stream-tokens", type=int, default=32, help="tokens per answer (32)")
     g.add_argument("--window", type=int, default=100, help="requests per window (default: 100)")
     g.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    g.add_argument(
+        "--store-share",
+        type=float,
+        default=1 / 3,
+        help="a started server's CPU store holds this share of one phase's corpus "
+        "(LMCACHE_MAX_LOCAL_CPU_SIZE from the corpus' tokens and the model's K/V bytes per "
+        "token; default: a third; 0: the server's own setting)",
+    )
     if standalone:
         parser.add_argument("--url", help="a running server (default: start one here)")
         parser.add_argument(
@@ -92,6 +100,29 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"bench: --k {args.k} exceeds --corpus-chunks {args.corpus_chunks}")
     if args.rate is not None and args.rate <= 0:
         raise SystemExit("bench: --rate must be > 0")
+    if args.store_share < 0:
+        raise SystemExit(f"bench: --store-share {args.store_share} must be >= 0")
+
+
+def store_size_gb(chunks: list[str], share: float, model: str | None = None) -> float:
+    """The CPU store size (GB, as ``max_local_cpu_size`` counts them: GiB) that holds ``share``
+    of ``chunks``' K/V: their tokens (the embedded model's tokenizer, or ``model``'s) times
+    layers x KV heads x head size x 2 (K and V) x 2 bytes (bf16, what vLLM's CPU build
+    computes in)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lmcache_backend.data.embedded import resolve_model
+    from lmcache_backend.storage.factory import GB
+
+    path = resolve_model(model)
+    config = AutoConfig.from_pretrained(path)
+    config = getattr(config, "text_config", config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = config.num_hidden_layers * kv_heads * head_dim * 2 * 2
+    tok = AutoTokenizer.from_pretrained(path)
+    tokens = sum(len(tok.encode(c, add_special_tokens=False)) for c in chunks)
+    return share * tokens * per_token / GB
 
 
 def _lines(path: Path | None) -> list[dict[str, Any]]:
@@ -110,6 +141,14 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
     _check(args)
     names = _phases(args.phases)
     env = dict(item.split("=", 1) for item in args.server_env)
+    if not args.url and args.store_share > 0 and "LMCACHE_MAX_LOCAL_CPU_SIZE" not in env:
+        size = store_size_gb(corpus(args.corpus_chunks, seed=args.seed * 100), args.store_share)
+        env["LMCACHE_MAX_LOCAL_CPU_SIZE"] = f"{size:.4f}"
+        print(
+            f"store: LMCACHE_MAX_LOCAL_CPU_SIZE={size:.4f} ({args.store_share:.0%} of a "
+            f"phase's corpus)",
+            file=out,
+        )
     given_stats = getattr(args, "stats_file", None)
     if args.url and not given_stats:
         print("no --stats-file: blended and reused shares are left out", file=out)

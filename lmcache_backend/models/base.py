@@ -41,8 +41,9 @@ class ModelAdapter(ABC):
             (a sliding window the adapter does not report per layer, shorter than the prompt,
             would make it differ), or None.
         rope_rerotate_k: the engine's own re-rotation kernel, with the signature
-            ``(k [N, H, D], old_positions [N], new_positions [N])`` (in place), or None: the op
-            registry's ``rope_rerotate_k`` turns the keys.
+            ``(k [N, H, D], old_positions [N], new_positions [N], table=None)`` (in place; a
+            ``table`` of :meth:`rotation_groups`, default :attr:`cos_sin_cache`), or None: the
+            op registry's ``rope_rerotate_k`` turns the keys.
     """
 
     num_layers: int
@@ -53,7 +54,7 @@ class ModelAdapter(ABC):
     is_neox: bool
     cos_sin_cache: torch.Tensor
     max_exact_tokens: int | None = None
-    rope_rerotate_k: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    rope_rerotate_k: Callable[..., torch.Tensor] | None = None
 
     @property
     @abstractmethod

@@ -217,7 +217,8 @@ class VLLMModelAdapter(ModelAdapter):
             for key, table in tables.items()
         ]
         self.cos_sin_cache = self._tables[0]
-        self._delta_cache: torch.Tensor | None = None
+        # angle-difference tables of rope_rerotate_k, per (table, dtype)
+        self._delta_caches: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         # each layer's window as vLLM's attention applies it; the blender reproduces each. A
         # release whose attention layer does not say: the config's window bounds the prompts
         # blended (longer ones fall back to a full prefill)
@@ -316,10 +317,16 @@ class VLLMModelAdapter(ModelAdapter):
         )
 
     def rope_rerotate_k(
-        self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor
+        self,
+        k: torch.Tensor,
+        old_positions: torch.Tensor,
+        new_positions: torch.Tensor,
+        table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """In place: keys ``[T, H, D]`` (any number of heads, e.g. layers x heads) rotated at
-        ``old_positions`` moved to ``new_positions``, through vLLM's own rotary op on CPU.
+        ``old_positions`` moved to ``new_positions`` with ``table`` (one of
+        :meth:`rotation_groups`' tables; default the first layer's), through vLLM's own rotary
+        op on CPU.
 
         Moving by ``new - old`` is RoPE at position ``new - old``; the op indexes a table of
         angle differences ``-(P-1)..P-1`` (``sin`` negated for negative ones) in the model dtype,
@@ -329,22 +336,20 @@ class VLLMModelAdapter(ModelAdapter):
         """
         from lmcache_backend.ops.reference import rope_rerotate_k
 
+        table = self.cos_sin_cache if table is None else table
         ops = cpu_rotary_op()
         if ops is None or k.device.type != "cpu" or not k.is_contiguous() or k.dim() != 3:
-            return rope_rerotate_k(
-                k, old_positions, new_positions, self.cos_sin_cache, self.is_neox
-            )
-        if self._delta_cache is None or self._delta_cache.dtype != k.dtype:
-            cs = self.cos_sin_cache
-            half = cs.shape[-1] // 2
-            past = cs[1:].flip(0)
+            return rope_rerotate_k(k, old_positions, new_positions, table, self.is_neox)
+        key = (id(table), k.dtype)
+        deltas = self._delta_caches.get(key)
+        if deltas is None:
+            half = table.shape[-1] // 2
+            past = table[1:].flip(0)
             negative = torch.cat([past[:, :half], -past[:, half:]], dim=-1)
-            self._delta_cache = torch.cat([negative, cs]).to(k.dtype).contiguous()
-        offset = self.cos_sin_cache.shape[0] - 1
+            deltas = self._delta_caches[key] = torch.cat([negative, table]).to(k.dtype).contiguous()
+        offset = table.shape[0] - 1
         delta = (new_positions.long() - old_positions.long() + offset).to(k.device)
-        ops.rotary_embedding(
-            delta, k.view(k.shape[0], -1), None, k.shape[-1], self._delta_cache, self.is_neox
-        )
+        ops.rotary_embedding(delta, k.view(k.shape[0], -1), None, k.shape[-1], deltas, self.is_neox)
         return k
 
     def _rope_table(self, rotary: Any, dtype: torch.dtype) -> torch.Tensor:

@@ -261,7 +261,7 @@ def test_a_small_load_run_against_a_real_server(tmp_path) -> None:
     load.add_arguments(parser, standalone=True)
     args = parser.parse_args(
         ["--requests", "8", "--clients", "4", "--corpus-chunks", "6", "--k", "3", "--eager"]
-        + ["--stream-tokens", "8", "--window", "4", "--no-progress"]
+        + ["--stream-tokens", "8", "--window", "4", "--no-progress", "--store-share", "0"]
         + ["--json", str(tmp_path / "load.json"), "--plots", str(tmp_path)]
     )
     result = load.run(args)
@@ -276,3 +276,30 @@ def test_a_small_load_run_against_a_real_server(tmp_path) -> None:
     assert phases["cacheblend"]["metrics"]["store_hits"] > 0
     assert (tmp_path / "load_over_time.png").exists()
     assert json.loads((tmp_path / "load.json").read_text())["phases"]
+
+
+@pytest.mark.slow
+def test_a_store_smaller_than_one_requests_chunks_loses_and_mixes_nothing(tmp_path) -> None:
+    """A CPU store holding a tenth of the corpus (less than one request's three chunks), so
+    that segments are refused and evicted while requests run: every request completes with its
+    own number."""
+    pytest.importorskip("vllm")
+    from lmcache_backend.bench import load
+
+    try:
+        from lmcache_backend.data.embedded import embedded_model_path
+
+        embedded_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    parser = argparse.ArgumentParser()
+    load.add_arguments(parser, standalone=True)
+    args = parser.parse_args(
+        ["--requests", "12", "--clients", "4", "--corpus-chunks", "10", "--k", "3", "--eager"]
+        + ["--stream-tokens", "8", "--window", "4", "--no-progress", "--phases", "blend"]
+        + ["--store-share", "0.1"]
+    )
+    result = load.run(args)
+    summary = result["phases"]["cacheblend"]["summary"]
+    assert summary["completed"] == 12 and summary["errors"] == 0 and summary["mixed_up"] == 0
+    assert result["setup"]["server_env"]["LMCACHE_MAX_LOCAL_CPU_SIZE"]
