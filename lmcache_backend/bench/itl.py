@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
     parser.add_argument(
-        "--layers-per-step", type=int, default=0, help="blend_layers_per_step (0: synchronous)"
+        "--layers-per-step",
+        default="auto",
+        help="blend_layers_per_step: 0 (at once), n (every blend, n passes a step) or auto "
+        "(the default: blends longer than one vLLM step are sliced)",
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     llm = offline_engine(
         path,
-        extra_config={"blend_layers_per_step": args.layers_per_step or None},
+        extra_config={"blend_layers_per_step": args.layers_per_step},
         enforce_eager=args.eager,
     )
     engine = llm.llm_engine

@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--layers-per-step",
-        type=int,
-        default=0,
-        help="the connector's blend_layers_per_step (0, the default: blends run at once)",
+        default="auto",
+        help="the connector's blend_layers_per_step: 0 (at once), n (every blend sliced, n "
+        "layer passes a step) or auto (the default: blends longer than one vLLM step sliced)",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument(

@@ -18,6 +18,7 @@ store's cross-process index.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -35,7 +36,7 @@ from lmcache_backend.integration.vllm.layouts import LayerCache
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata
 from lmcache_backend.integration.vllm.metrics import CacheBlendPromMetrics, CacheBlendStats
 from lmcache_backend.integration.vllm.scheduler import SchedulerSide
-from lmcache_backend.integration.vllm.settings import load_settings
+from lmcache_backend.integration.vllm.settings import ConnectorSettings, load_settings
 from lmcache_backend.integration.vllm.worker import WorkerSide
 from lmcache_backend.models.vllm import vllm_fingerprint
 
@@ -57,6 +58,28 @@ def _route_logs_like_vllm() -> None:
     pkg.addHandler(handler)
     pkg.setLevel(getattr(logging, level, logging.INFO))
     pkg.propagate = False
+
+
+def _resolve_auto_slicing(settings: ConnectorSettings, profile: Any) -> ConnectorSettings:
+    """``blend_layers_per_step="auto"`` slices long claims only on the vLLM release whose
+    asynchronous loads were checked; elsewhere every blend runs at once (logged)."""
+    if not settings.slicing_auto:
+        return settings
+    if profile.sliced_loads and profile.release == SLICED_VERIFIED_RELEASE:
+        logger.info(
+            "CacheBlend: claims of %d tokens or more are blended %d layer passes per step "
+            "(blend_layers_per_step=auto), shorter ones at once",
+            settings.slice_from_tokens,
+            settings.blend_layers_per_step,
+        )
+        return settings
+    logger.info(
+        "CacheBlend: blends run at once (blend_layers_per_step=auto slices them on vLLM %s "
+        "only; this is %s)",
+        SLICED_VERIFIED_RELEASE,
+        profile.release,
+    )
+    return dataclasses.replace(settings, blend_layers_per_step=0, slice_from_tokens=0)
 
 
 class CacheBlendConnectorMetadata(KVConnectorMetadata, CacheBlendMetadata):
@@ -85,6 +108,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         settings = load_settings(vllm_config)
         # the gate, applied once for this process: the model adapter reads what it admits
         profile = admit(settings.allow_untested_versions)
+        settings = _resolve_auto_slicing(settings, profile)
         if settings.blend_layers_per_step and not profile.sliced_loads:
             raise ConfigError(
                 f"blend_layers_per_step={settings.blend_layers_per_step}: sliced loads need "

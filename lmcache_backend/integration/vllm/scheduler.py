@@ -12,7 +12,8 @@ Nothing claimed: vLLM prefills normally, the workers store the prompt's units af
 request is recorded (log line, ``stats_file`` line with ``"blended": false``) with its reason
 (:data:`~lmcache_backend.integration.vllm.stats.SKIP_REASONS`).
 
-With ``blend_layers_per_step > 0`` a claim whose selection never computes a token of the tail in
+With ``blend_layers_per_step > 0`` (``"auto"``, the default: claims of at least vLLM's
+``max_num_batched_tokens``) a claim whose selection never computes a token of the tail in
 a blend layer (the preview selections) is loaded asynchronously instead: vLLM allocates blocks for
 the claimed tokens only and parks the request in WAITING_FOR_REMOTE_KVS
 (``Scheduler.schedule``); the next plan carries a ``sliced`` load, the workers advance it a fixed
@@ -207,7 +208,8 @@ class SchedulerSide:
             reusable=reusable,
             config=own_settings,
             sliced=self.settings.blend_layers_per_step > 0
-            and config.blend_selection in PREVIEW_SELECTIONS,
+            and config.blend_selection in PREVIEW_SELECTIONS
+            and claim >= self.settings.slice_from_tokens,
             cache_salt=salt,
         )
         self._decisions[rid] = (None, claim)

@@ -34,6 +34,11 @@ CONNECTOR_KEYS = (
     "selected_attention",
 )
 
+#: layer passes per engine step of a sliced blend with ``blend_layers_per_step="auto"``
+AUTO_LAYERS_PER_STEP = 8
+#: vLLM's step budget in tokens where its scheduler config does not say
+DEFAULT_STEP_TOKENS = 8192
+
 #: ``selected_attention`` values: the kernel of the selected tokens' attention in vLLM's forward
 SELECTED_ATTENTION = ("auto", "tiled", "vllm")
 
@@ -59,13 +64,22 @@ class ConnectorSettings:
             ready and log the result (see :mod:`lmcache_backend.commands.verify`).
         num_layers: the model's decoder layers (a request's check layers must exist).
         profile: time the phases of each blended request (``BlendRecord.profile``).
-        blend_layers_per_step: 0 (default): a claimed prompt is blended at once, before the
-            forward pass of the step that computes its question tail. ``n > 0``: prompts whose
+        blend_layers_per_step: 0: a claimed prompt is blended at once, before the forward
+            pass of the step that computes its question tail. ``n > 0``: prompts whose
             selection never computes a token of the tail in a blend layer (the preview
             selections) are loaded asynchronously, ``n`` layer passes per engine step (preview
             layers count), so the other requests keep decoding between the slices; the
             check-layer selections stay synchronous. A fixed number of passes, never a time
             budget: tensor-parallel ranks run the same collectives in the same order.
+            ``"auto"`` (the default): :data:`AUTO_LAYERS_PER_STEP` passes a step for claims of
+            at least ``slice_from_tokens`` tokens, at once for shorter ones.
+        slice_from_tokens: the shortest claim that is sliced: 0 with a number of layers per
+            step (every claim), vLLM's ``max_num_batched_tokens`` with ``"auto"``: a blend
+            longer than one of vLLM's own prefill steps is sliced, a shorter one (which stalls
+            the other requests less than a prefill of the same prompt would) runs at once,
+            where slicing would cost it a fifth to a third more time to first token.
+        slicing_auto: ``blend_layers_per_step`` was ``"auto"`` (the connector turns it to 0,
+            with a log line, where vLLM's asynchronous loads are not verified).
         engine_forward: True (default): once a preview selection is fixed, a synchronous
             load runs the selected tokens through vLLM's own compiled forward pass over the
             blended paged cache (vLLM's CPU attention backend); False: through the blender's
@@ -86,6 +100,8 @@ class ConnectorSettings:
     num_layers: int | None = None
     profile: bool = False
     blend_layers_per_step: int = 0
+    slice_from_tokens: int = 0
+    slicing_auto: bool = False
     engine_forward: bool = True
     selected_attention: str = "auto"
 
@@ -157,7 +173,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         verify_on_start=_flag("verify_on_start", own.get("verify_on_start", False)),
         num_layers=num_layers,
         profile=_flag("profile", own.get("profile", False)),
-        blend_layers_per_step=_count("blend_layers_per_step", own.get("blend_layers_per_step", 0)),
+        **_slicing(own.get("blend_layers_per_step", "auto"), vllm_config),
         engine_forward=_flag("engine_forward", own.get("engine_forward", True)),
         selected_attention=_choice(
             "selected_attention", own.get("selected_attention", "auto"), SELECTED_ATTENTION
@@ -170,6 +186,25 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     if isinstance(value, str) and value.strip().lower() in choices:
         return value.strip().lower()
     raise ConfigError(f"{key}={value!r}: expected one of {', '.join(choices)}")
+
+
+def _slicing(value: Any, vllm_config: Any) -> dict[str, Any]:
+    """``blend_layers_per_step`` (a count, or ``"auto"``) as the settings' slicing fields."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        step_tokens = getattr(scheduler, "max_num_batched_tokens", None) or DEFAULT_STEP_TOKENS
+        return {
+            "blend_layers_per_step": AUTO_LAYERS_PER_STEP,
+            "slice_from_tokens": int(step_tokens),
+            "slicing_auto": True,
+        }
+    try:
+        layers = _count("blend_layers_per_step", value)
+    except ConfigError:
+        raise ConfigError(
+            f"blend_layers_per_step={value!r}: expected an integer >= 0 or 'auto'"
+        ) from None
+    return {"blend_layers_per_step": layers, "slice_from_tokens": 0, "slicing_auto": False}
 
 
 def _count(key: str, value: Any) -> int:

@@ -42,7 +42,7 @@ def settings_for(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("value", [-1, 1.5, "two", True, None])
 def test_bad_blend_layers_per_step_fails_start(settings_for, value) -> None:
-    with pytest.raises(ConfigError, match=rf"blend_layers_per_step={value!r}"):
+    with pytest.raises(ConfigError, match=rf"blend_layers_per_step={value!r}: .* or 'auto'"):
         settings_for(blend_layers_per_step=value)
 
 
@@ -58,10 +58,52 @@ def test_selected_attention_defaults_to_auto(settings_for) -> None:
     assert settings_for(selected_attention="tiled").selected_attention == "tiled"
 
 
-def test_blend_layers_per_step_defaults_to_synchronous(settings_for) -> None:
-    assert settings_for().blend_layers_per_step == 0
-    assert settings_for(blend_layers_per_step=4).blend_layers_per_step == 4
+def test_blend_layers_per_step_defaults_to_auto(settings_for) -> None:
+    """``auto`` slices claims of at least vLLM's step budget (8,192 tokens where the scheduler
+    config does not say), 8 passes a step; a number slices every claim; 0 none."""
+    default = settings_for()
+    assert (default.blend_layers_per_step, default.slice_from_tokens) == (8, 8192)
+    assert default.slicing_auto
+    assert settings_for(blend_layers_per_step=" AUTO ").slicing_auto
+    four = settings_for(blend_layers_per_step=4)
+    assert (four.blend_layers_per_step, four.slice_from_tokens, four.slicing_auto) == (4, 0, False)
     assert settings_for(blend_layers_per_step="3").blend_layers_per_step == 3
+    assert settings_for(blend_layers_per_step=0).blend_layers_per_step == 0
+
+
+def test_auto_slicing_only_where_async_loads_were_checked(settings_for) -> None:
+    from lmcache_backend.integration.vllm.connector import (
+        SLICED_VERIFIED_RELEASE,
+        _resolve_auto_slicing,
+    )
+
+    auto = settings_for()
+    checked = SimpleNamespace(sliced_loads=True, release=SLICED_VERIFIED_RELEASE)
+    assert _resolve_auto_slicing(auto, checked) == auto
+    for other in (
+        SimpleNamespace(sliced_loads=True, release="0.33.0"),
+        SimpleNamespace(sliced_loads=False, release="0.10.0"),
+    ):
+        resolved = _resolve_auto_slicing(auto, other)
+        assert (resolved.blend_layers_per_step, resolved.slice_from_tokens) == (0, 0)
+    # a number the user chose is kept (and checked by the connector as before)
+    four = settings_for(blend_layers_per_step=4)
+    assert _resolve_auto_slicing(four, SimpleNamespace(sliced_loads=False, release="x")) == four
+
+
+def test_auto_slices_claims_longer_than_one_vllm_step(settings_for) -> None:
+    """A claim shorter than ``slice_from_tokens`` is blended at once, a longer one sliced."""
+    import dataclasses
+
+    settings = settings_for()
+    short = _scheduler(settings)
+    request = _request(settings)
+    claimed = short.num_new_matched_tokens(request, 0)
+    assert 0 < claimed < settings.slice_from_tokens and not short.is_sliced(request)
+    low = dataclasses.replace(settings, slice_from_tokens=claimed)
+    long = _scheduler(low)
+    assert long.num_new_matched_tokens(_request(low, "s"), 0) == claimed
+    assert long.is_sliced(_request(low, "s"))
 
 
 def _scheduler(settings):
