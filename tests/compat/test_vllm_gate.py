@@ -267,15 +267,20 @@ def _start_connector(monkeypatch: pytest.MonkeyPatch, allow_untested: bool, role
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from lmcache_backend.integration.vllm import connector as connector_mod
+    from lmcache_backend.integration.vllm.settings import ConnectorSettings
 
-    settings = SimpleNamespace(
-        allow_untested_versions=allow_untested,
-        blend_layers_per_step=0,
-        instance_id="gate-test",
+    settings = ConnectorSettings(  # the defaults: blend_layers_per_step="auto"
         config=BlendConfig(
             enable_blending=True, blend_recompute_ratios=[0.15], blend_min_tokens=32
         ),
+        instance_id="gate-test",
+        tp_size=1,
         separator=BlockPattern(16),
+        stats_file=None,
+        allow_untested_versions=allow_untested,
+        blend_layers_per_step=8,
+        slice_from_tokens=4096,
+        slicing_auto=True,
     )
     monkeypatch.setattr(connector_mod, "load_settings", lambda cfg: settings)
     monkeypatch.setattr(connector_mod, "vllm_fingerprint", lambda cfg: None)
@@ -305,6 +310,7 @@ def _adapter_profile():
         ("0.22.1", "cuda"),
         ("0.31.0", "cuda"),
         ("0.25.1", "cpu"),
+        ("0.32.0", "cpu"),
         ("0.33.0", "cpu"),
     ],
 )
@@ -315,6 +321,11 @@ def test_connector_and_model_adapter_start_on_recorded_releases(
     connector = _start_connector(monkeypatch, allow_untested=False, role="WORKER")
     assert connector.profile.release == release
     assert _adapter_profile().release == release
+    # the default slicing: long claims sliced only where vLLM's asynchronous loads were checked
+    from lmcache_backend.integration.vllm.connector import SLICED_VERIFIED_RELEASE
+
+    sliced = connector.settings.blend_layers_per_step
+    assert sliced == (8 if release == SLICED_VERIFIED_RELEASE else 0)
 
 
 def test_allow_untested_reaches_the_model_adapter_and_the_plugin(installed, monkeypatch) -> None:
