@@ -51,6 +51,8 @@ def load_dataset(
 ) -> list[RagExample]:
     """The examples of a JSONL file (``"dev"``: the shipped dev set of ``model``, an embedded
     model's name, None for the default one), or ``count`` built-in ones when ``path`` is None.
+    ``FILE@TOKENS`` (``dev@16000``): the same examples grown to about ``TOKENS`` prompt tokens of
+    ``model``'s tokenizer (:mod:`lmcache_backend.bench.long_context`).
 
     Raises:
         DatasetError: a line is malformed (see :func:`lmcache_backend.data.examples.load_examples`),
@@ -60,6 +62,11 @@ def load_dataset(
     """
     if path is None:
         return builtin_examples(count=count)
+    from lmcache_backend.bench.long_context import split_length
+
+    path, long_tokens = split_length(str(path))
+    if long_tokens is not None:
+        return _long(load_dataset(path, count, model), long_tokens, model)
     if str(path) == DEV_DATASET:
         from lmcache_backend.bench.devset import devset_path
 
@@ -127,4 +134,17 @@ def sweep_example(
         chunks=chunks,
         question=base.question,
         answers=base.answers,
+    )
+
+
+def _long(examples: list[RagExample], tokens: int, model: str | None) -> list[RagExample]:
+    """``examples`` grown to about ``tokens`` tokens of ``model``'s tokenizer."""
+    from transformers import AutoTokenizer
+
+    from lmcache_backend.bench.long_context import long_context_examples
+    from lmcache_backend.data.embedded import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(model))
+    return long_context_examples(
+        examples, tokens, lambda text: len(tok.encode(text, add_special_tokens=False))
     )

@@ -40,13 +40,17 @@ class VLLMEngine:
         self.config = load_config()
         self._stats = os.path.join(tempfile.mkdtemp(prefix="lmcache-bench-"), "stats.jsonl")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.num_layers = int(AutoConfig.from_pretrained(model_path).num_hidden_layers)
+        model_config = AutoConfig.from_pretrained(model_path)
+        self.num_layers = int(model_config.num_hidden_layers)
+        # the model's whole context (long-context sets, dev@32000), 32k at most
+        context = getattr(model_config, "max_position_embeddings", None) or 8192
         self.model_name = model_name or model_path
         self.llm = offline_engine(
             model_path,
             stats_file=self._stats,
             enable_prefix_caching=True,
             enforce_eager=False,
+            max_model_len=min(int(context), 32768),
             max_logprobs=-1,  # the full first-token distribution, for the KL
         )
         self._warm_ids: list[int] = []
