@@ -66,38 +66,31 @@ def _rerotate(
     layer_ids = list(range(layers)) if layer_ids is None else layer_ids
     moved = meta.valid_mask & (original != meta.positions)
     groups = model.rotation_groups()
+    where = {layer: i for i, layer in enumerate(layer_ids)}
     adapter_op = model.rope_rerotate_k  # the engine's own kernel, if it has one
     if adapter_op is not None and not ops.native("rope_rerotate_k"):
         if not bool(moved.any()):
             return
         # every row of a table's layers at once; a row that did not move turns by angle 0
         old = torch.where(moved, original, meta.positions)
-        if len(groups) == 1:
-            adapter_op(
-                keys.view(layers * num_tokens, heads, dim),
-                old.repeat(layers),
-                meta.positions.repeat(layers),
-                groups[0][0],
-            )
-            return
-        where = {layer: i for i, layer in enumerate(layer_ids)}
         for table, group in groups:
             index = [where[layer] for layer in group if layer in where]
             if not index:
                 continue
-            picked = keys[index].contiguous()  # [L_g, T, Hkv, D], a copy
+            whole = len(index) == layers  # one table for every layer: turn ``keys`` itself
+            picked = keys if whole else keys[index].contiguous()  # [L_g, T, Hkv, D], a copy
             adapter_op(
                 picked.view(len(index) * num_tokens, heads, dim),
                 old.repeat(len(index)),
                 meta.positions.repeat(len(index)),
                 table,
             )
-            keys[index] = picked
+            if not whole:
+                keys[index] = picked
         return
     rows = torch.nonzero(moved, as_tuple=False).flatten()
     if rows.numel() == 0:
         return
-    where = {layer: i for i, layer in enumerate(layer_ids)}
     for table, group in groups:
         picked_layers = [where[layer] for layer in group if layer in where]
         if not picked_layers:

@@ -83,10 +83,6 @@ class Gemma3Adapter(HFModelAdapter):
             inv_freq = getattr(self._rotary, f"{kind}_inv_freq").float().cpu()
             tables[kind] = rope_cos_sin_cache(inv_freq, self._max_positions).to(self.device)
         self._tables = [tables[kind] for kind in self._kinds]
-        self._groups = [
-            (tables[kind], [i for i, k in enumerate(self._kinds) if k == kind])
-            for kind in dict.fromkeys(self._kinds)
-        ]
         self.cos_sin_cache = self._tables[0]
         # every window is reproduced per layer: the prompt length is not bounded
         self.max_exact_tokens = None
@@ -108,9 +104,6 @@ class Gemma3Adapter(HFModelAdapter):
 
     def rotation_table(self, layer: int) -> torch.Tensor:
         return self._tables[layer]
-
-    def rotation_groups(self) -> list[tuple[torch.Tensor, list[int]]]:
-        return self._groups
 
     def attention_output(self, layer: int, attn: torch.Tensor) -> torch.Tensor:
         block = self._layers[layer]

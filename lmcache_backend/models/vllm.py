@@ -212,10 +212,6 @@ class VLLMModelAdapter(ModelAdapter):
             )
         self.is_neox = bool(rotaries[0].is_neox_style)
         self._tables = [tables[id(r)] for r in rotaries]
-        self._groups = [
-            (table, [i for i, r in enumerate(rotaries) if id(r) == key])
-            for key, table in tables.items()
-        ]
         self.cos_sin_cache = self._tables[0]
         # angle-difference tables of rope_rerotate_k, per (table, dtype)
         self._delta_caches: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -250,9 +246,6 @@ class VLLMModelAdapter(ModelAdapter):
 
     def rotation_table(self, layer: int) -> torch.Tensor:
         return self._tables[layer]
-
-    def rotation_groups(self) -> list[tuple[torch.Tensor, list[int]]]:
-        return self._groups
 
     @property
     def device(self) -> torch.device:
