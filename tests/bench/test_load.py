@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from lmcache_backend.bench import load_stats
+from lmcache_backend.bench import load, load_stats
 from lmcache_backend.bench.load_driver import PhaseSpec, request_body, run_phase
 from lmcache_backend.bench.load_workload import (
     STOCK_SYSTEM,
@@ -221,8 +221,6 @@ def test_request_bodies_per_phase() -> None:
 
 
 def test_a_run_against_a_url_writes_json_and_plots(fake_server, tmp_path, capsys) -> None:
-    from lmcache_backend.bench import load
-
     parser = argparse.ArgumentParser()
     load.add_arguments(parser, standalone=True)
     args = parser.parse_args(
@@ -245,12 +243,10 @@ def test_a_run_against_a_url_writes_json_and_plots(fake_server, tmp_path, capsys
     assert sum("kv_transfer_params" in b for b in _FakeOpenAI.bodies) == 1 + 5
 
 
-@pytest.mark.slow
-def test_a_small_load_run_against_a_real_server(tmp_path) -> None:
-    """Three phases of 8 requests from 4 clients through ``lmcache-backend serve``."""
+def _real_server_args(argv: list[str]) -> argparse.Namespace:
+    """``bench --load`` flags for a run against a started ``lmcache-backend serve`` (skips
+    without vLLM or the embedded model)."""
     pytest.importorskip("vllm")
-    from lmcache_backend.bench import load
-
     try:
         from lmcache_backend.data.embedded import embedded_model_path
 
@@ -259,7 +255,13 @@ def test_a_small_load_run_against_a_real_server(tmp_path) -> None:
         pytest.skip(str(exc))
     parser = argparse.ArgumentParser()
     load.add_arguments(parser, standalone=True)
-    args = parser.parse_args(
+    return parser.parse_args(argv)
+
+
+@pytest.mark.slow
+def test_a_small_load_run_against_a_real_server(tmp_path) -> None:
+    """Three phases of 8 requests from 4 clients through ``lmcache-backend serve``."""
+    args = _real_server_args(
         ["--requests", "8", "--clients", "4", "--corpus-chunks", "6", "--k", "3", "--eager"]
         + ["--stream-tokens", "8", "--window", "4", "--no-progress", "--store-share", "0"]
         + ["--json", str(tmp_path / "load.json"), "--plots", str(tmp_path)]
@@ -283,18 +285,7 @@ def test_a_store_smaller_than_one_requests_chunks_loses_and_mixes_nothing(tmp_pa
     """A CPU store holding a tenth of the corpus (less than one request's three chunks), so
     that segments are refused and evicted while requests run: every request completes with its
     own number."""
-    pytest.importorskip("vllm")
-    from lmcache_backend.bench import load
-
-    try:
-        from lmcache_backend.data.embedded import embedded_model_path
-
-        embedded_model_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    parser = argparse.ArgumentParser()
-    load.add_arguments(parser, standalone=True)
-    args = parser.parse_args(
+    args = _real_server_args(
         ["--requests", "12", "--clients", "4", "--corpus-chunks", "10", "--k", "3", "--eager"]
         + ["--stream-tokens", "8", "--window", "4", "--no-progress", "--phases", "blend"]
         + ["--store-share", "0.1"]
