@@ -58,6 +58,12 @@ class BlendConfig:
     # Consecutive selected tokens are cheaper to attend for (one run of queries reads the keys
     # once): docs/measurements/spans.md.
     blend_selection_span: int = 1
+    # Models whose recomputed tokens lean on each chunk's first tokens (Gemma 3) answer closer to
+    # full prefill when those are recomputed first; others lose by it (docs/quality.md).
+    blend_chunk_head_tokens: int = 0
+    # Shallow layers' cached K/V barely drift, so their reads point at tokens whose recompute
+    # pays little (docs/quality.md, "Scored layers").
+    blend_preview_scored_from: float = 0.0
     blend_min_tokens: int = 256
     # Measured blends cost about their token-layer share of a full prefill plus a few percent
     # (lookup, load, write-back): 0.6 keeps every claimed request well below 1x (blend/pays.py).
@@ -123,6 +129,15 @@ class BlendConfig:
                 "blend_selection_span",
                 self.blend_selection_span,
                 "must be >= 1 (tokens per span; 1 chooses single tokens)",
+            )
+        if self.blend_chunk_head_tokens < 0:
+            raise self._fail(
+                "blend_chunk_head_tokens", self.blend_chunk_head_tokens, "must be >= 0 (tokens)"
+            )
+        share = self.blend_preview_scored_from
+        if not (math.isfinite(share) and 0 <= share < 1):
+            raise self._fail(
+                "blend_preview_scored_from", share, "must be a share of the layers in [0, 1)"
             )
         if self.blend_min_tokens < 0:
             raise self._fail("blend_min_tokens", self.blend_min_tokens, "must be >= 0")

@@ -149,6 +149,18 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         1,
         "preview selections choose aligned spans of this many consecutive tokens (1: tokens)",
     ),
+    ConfigKey(
+        "blend_chunk_head_tokens",
+        _parse_int,
+        0,
+        "preview selections recompute the first this many tokens of every reused chunk first",
+    ),
+    ConfigKey(
+        "blend_preview_scored_from",
+        float,
+        0.0,
+        "preview selections score the reads of layers from this share of the depth on",
+    ),
     ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
     ConfigKey(
         "blend_max_cost",

@@ -123,6 +123,9 @@ def test_config_file_argument_beats_env_file(tmp_path) -> None:
         ({"blend_position_discount": "late"}, "blend_position_discount", "late"),
         ({"blend_selection_span": "0"}, "blend_selection_span", "0"),
         ({"blend_selection_span": "wide"}, "blend_selection_span", "wide"),
+        ({"blend_chunk_head_tokens": "-1"}, "blend_chunk_head_tokens", "-1"),
+        ({"blend_preview_scored_from": "1"}, "blend_preview_scored_from", "1"),
+        ({"blend_preview_scored_from": "nan"}, "blend_preview_scored_from", "nan"),
     ],
 )
 def test_validation_errors_name_key_and_value(settings: dict, key: str, fragment: str) -> None:

@@ -158,8 +158,9 @@ class HFEngine:
                 p.logits, ttft, len(tokens), len(tokens) * self.num_layers, 0, reason, p
             )
         _, keys, values = source
+        # every row kept: the prompt's K/V are read back whole for decoding below
         cache = kv_to_dynamic_cache(
-            self.model, [k[:reuse] for k in keys], [v[:reuse] for v in values]
+            self.model, [k[:reuse] for k in keys], [v[:reuse] for v in values], every_row=True
         )
         ids = torch.tensor([tokens[reuse:]], device=self.model.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)

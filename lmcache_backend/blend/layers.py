@@ -117,7 +117,7 @@ def run_layers(
         else:
             window = window_kwargs(model, layer)
             if mass is not None:  # the preview: attention and the query's mass at once
-                attn = mass.attend(q, keys, values, meta, model.attn_scale, **window)
+                attn = mass.attend(layer, q, keys, values, meta, model.attn_scale, **window)
             elif paged:  # a window goes to the target only for a sliding-window layer
                 attn = target.attention(
                     layer, q, positions, model.attn_scale, keys, values, **window

@@ -21,6 +21,9 @@ from lmcache_backend.blend.preview_mass import PreviewMass
 from lmcache_backend.blend.request import BlendMetadata
 from lmcache_backend.blend.selection import (
     QUERY_PREVIEW_LAST,
+    chunk_heads,
+    first_scored_layer,
+    heads_first,
     position_discount,
     query_and_last_scores,
     span_ranked,
@@ -69,7 +72,10 @@ def preview_selection(
         stream=meta.stream,
     )
     mass = PreviewMass(
-        meta.positions.numel(), valid.device, config.blend_selection == QUERY_PREVIEW_LAST
+        meta.positions.numel(),
+        valid.device,
+        config.blend_selection == QUERY_PREVIEW_LAST,
+        first_scored_layer(config.blend_preview_scored_from, compute.model.num_layers),
     )
     if _engine_preview(preview, token_ids, target, compute, mass):
         yield compute.model.num_layers - 1
@@ -89,6 +95,10 @@ def preview_selection(
         scores = scores / discount
     if config.blend_selection_span > 1:
         scores = span_ranked(scores, candidates, config.blend_selection_span)
+    if config.blend_chunk_head_tokens > 0:
+        hits = [(start, kv.num_tokens) for start, kv in meta.task.hits]
+        heads = chunk_heads(hits, scores.numel(), config.blend_chunk_head_tokens)
+        scores = heads_first(scores, heads.to(scores.device) & candidates)
     scores[: meta.exact_prefix] = LAST_RESORT
     chosen[select_topk_with_invalid(scores, valid, count)] = True
     meta.cached_kv = preview.cached_kv
@@ -115,7 +125,9 @@ def _engine_preview(
         timer.lap("preview: engine forward")
         q, keys, values, _, _ = blend_layer_kv(q, k, v, None, layer, None, preview, compute)
         timer.lap("select and blend")
-        attn = mass.attend(q, keys, values, preview, scale, compute.model.sliding_window(layer))
+        attn = mass.attend(
+            layer, q, keys, values, preview, scale, compute.model.sliding_window(layer)
+        )
         timer.lap("preview: attention")
         return attn
 

@@ -1,5 +1,9 @@
 """The attention mass a preview collects: how much the query tokens (and the last token alone)
-read each key, weighted by the key's value norm, summed over layers."""
+read each key, weighted by the key's value norm, summed over the scored layers.
+
+Layers below ``first_scored_layer`` are computed (the deeper ones need their output) but their
+reads are not scored: a shallow layer's cached K/V differ little from a fresh prefill's, so what
+it reads says little about which tokens' recomputation pays (docs/quality.md, "Scored layers")."""
 
 from __future__ import annotations
 
@@ -18,13 +22,17 @@ class PreviewMass:
         last: the same from the last prompt token alone (``query_preview_last``), or None.
     """
 
-    def __init__(self, num_tokens: int, device: torch.device, with_last: bool) -> None:
+    def __init__(
+        self, num_tokens: int, device: torch.device, with_last: bool, first_scored_layer: int = 0
+    ) -> None:
+        self.first_scored_layer = first_scored_layer
         self.query = torch.zeros(num_tokens, dtype=torch.float32, device=device)
         self.last = torch.zeros_like(self.query) if with_last else None
         self.hidden: torch.Tensor | None = None
 
     def attend(
         self,
+        layer: int,
         q: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
@@ -32,10 +40,11 @@ class PreviewMass:
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        """One preview layer's attention ``[N, Hq, D]`` of the active tokens' ``q [N, Hq, D]``
+        """Preview layer ``layer``'s attention ``[N, Hq, D]`` of the active tokens' ``q [N, Hq, D]``
         over the layer's blended ``keys``/``values`` ``[T, Hkv, D]``; adds the mass the query
         tokens (and the last token alone) give each key, weighted by its value norm. ``window``:
-        the layer's sliding window, if it has one."""
+        the layer's sliding window, if it has one. A layer below ``first_scored_layer`` adds
+        nothing."""
         rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
         positions = meta.positions[meta.active]
         if self.hidden is None:  # keys neither cached nor previewed: uncached tokens before
@@ -45,6 +54,8 @@ class PreviewMass:
         if bool(self.hidden.any()):
             kw["hidden"] = self.hidden
         attn, mass, last = attention_with_query_mass(q, keys, values, positions, scale, rows, **kw)
+        if layer < self.first_scored_layer:
+            return attn
         norms = value_norms(values)
         if "hidden" in kw:
             norms = norms.masked_fill(self.hidden, 0.0)

@@ -37,6 +37,12 @@ of the prompt needs 11 times the score of one at the start. Late tokens cost mor
 (a query at position ``p`` reads ``p + 1`` keys), and on the dev set the discount also gave
 answers closer to full prefill (docs/quality.md, "Position discount").
 
+Two settings of the preview selections, off by default (they help Gemma 3 and cost SmolLM2,
+docs/quality.md): ``blend_chunk_head_tokens`` ``k`` recomputes the first ``k`` tokens of every
+reused chunk before the best-scored ones (:func:`chunk_heads`, :func:`heads_first`), and
+``blend_preview_scored_from`` ``s`` scores only the reads of layers from ``s`` of the depth on
+(:func:`first_scored_layer`).
+
 With ``blend_selection_span`` ``s > 1`` the preview selections rank aligned spans of ``s``
 tokens by their summed score and recompute the best spans whole (:func:`span_ranked`): the same
 number of tokens in runs, which vLLM's CPU attention computes for less per pair, at a measured
@@ -287,3 +293,24 @@ def span_ranked(scores: torch.Tensor, candidates: torch.Tensor, span: int) -> to
     # whole numbers apart per span rank; the own score (< 0.5 of that gap) orders inside a span
     inside = own / own.max().clamp_min(torch.finfo(torch.float64).tiny) * 0.5
     return (num_spans - rank[span_of]).double() + inside
+
+
+def chunk_heads(starts_and_lengths: list[tuple[int, int]], num_tokens: int, k: int) -> torch.Tensor:
+    """``[T]`` bool: the first ``k`` tokens of every reused chunk (``(start, length)`` each)."""
+    heads = torch.zeros(num_tokens, dtype=torch.bool)
+    for start, length in starts_and_lengths:
+        heads[start : min(start + min(k, length), num_tokens)] = True
+    return heads
+
+
+def heads_first(scores: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """``scores [T]`` with every ``heads`` token ranked above every other (in their own order
+    among themselves), so a top-k takes the heads before anything else."""
+    lift = scores[heads].abs().max() if bool(heads.any()) else scores.new_zeros(())
+    top = scores.abs().max() + lift + 1
+    return torch.where(heads, scores + top, scores)
+
+
+def first_scored_layer(share: float, num_layers: int) -> int:
+    """The first layer whose reads the preview scores: ``share`` of the model's depth."""
+    return min(int(share * num_layers), num_layers - 1)

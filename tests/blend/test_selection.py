@@ -14,6 +14,8 @@ from lmcache_backend.blend.selection import (
     PREVIEW_SELECTIONS,
     SCORERS,
     CheckInputs,
+    chunk_heads,
+    heads_first,
     position_discount,
     query_and_last_scores,
     query_attention_mass,
@@ -305,6 +307,84 @@ def test_position_discount_prefers_the_earlier_of_two_close_scores(llama, monkey
         chosen[discount] = set(blender.blend(tokens).recomputed.tolist()) & {30, 120, 140}
     assert chosen[0.0] == {120, 140}
     assert chosen[10.0] == {30, 140}
+
+
+def test_chunk_heads_marks_the_first_tokens_of_each_chunk() -> None:
+    heads = chunk_heads([(2, 5), (7, 1), (8, 4)], 11, 2)
+    assert torch.nonzero(heads).flatten().tolist() == [2, 3, 7, 8, 9]
+    assert not chunk_heads([(0, 3)], 3, 0).any()
+
+
+def test_heads_first_ranks_heads_above_any_score_keeping_their_order() -> None:
+    scores = torch.tensor([5.0, -2.0, 0.5, 100.0, 0.25])
+    heads = torch.tensor([False, True, True, False, True])
+    ranked = heads_first(scores, heads)
+    assert torch.topk(ranked, 3).indices.tolist() == [2, 4, 1]
+    assert ranked[3] > ranked[0]  # the others keep their order below
+
+
+def test_chunk_head_tokens_are_recomputed_first(llama, monkeypatch) -> None:
+    """``blend_chunk_head_tokens=2``: the first two tokens of every reused chunk (not the exact
+    system prefix) are recomputed, and the preview's best tokens fill the rest of the same
+    budget."""
+    import lmcache_backend.blend.preview_mass as preview_mass
+
+    real = preview_mass.attention_with_query_mass
+    favoured = [17, 40, 41, 77, 90, 101, 110, 120, 130, 140, 141, 142, 143, 20, 25, 30]
+
+    def fake_mass(q, k, v, positions, scale, rows):
+        out, _, last = real(q, k, v, positions, scale, rows)
+        mass = torch.zeros(k.shape[0])
+        mass[favoured] = 100.0 ** torch.arange(len(favoured), 0, -1, dtype=torch.float32)
+        return out, mass, last
+
+    monkeypatch.setattr(preview_mass, "attention_with_query_mass", fake_mass)
+    blender, cache = setup_blender(llama, ratios=(0.1,), selection="query_preview")
+    warm_store(llama, cache, rag_prompt(SYS, C1, C2, C3, Q1))
+    tokens = rag_prompt(SYS, C3, C1, C2, Q2)
+    query_start = len(tokens) - len(Q2)
+    count = int(0.1 * query_start)
+    starts = [len(SYS) + len(SEP)]
+    for chunk in (C3, C1):
+        starts.append(starts[-1] + len(chunk) + len(SEP))
+    heads = {s + i for s in starts for i in range(2)}
+    rest = [t for t in favoured if t not in heads][: count - len(heads)]
+    config = blender.config.replace(blend_chunk_head_tokens=2)
+    result = blender.blend(tokens, config=config)
+    query = list(range(query_start, len(tokens)))
+    assert result.recomputed.tolist() == sorted(heads | set(rest)) + query
+    assert len(result.recomputed) == count + len(query)
+
+
+def test_preview_scores_only_the_layers_from_the_set_share(llama, monkeypatch) -> None:
+    """``blend_preview_scored_from=0.5``: the reads of the first half of the layers do not count.
+    Shallow layers read tokens 40 and 41 far more than deep layers read 90 and 100; scoring
+    every layer recomputes the first pair, scoring the deep half the second."""
+    import lmcache_backend.blend.preview_mass as preview_mass
+
+    real = preview_mass.attention_with_query_mass
+    calls = []
+
+    def fake(q, k, v, positions, scale, rows, **kw):
+        out, _, last = real(q, k, v, positions, scale, rows, **kw)
+        mass = torch.zeros(k.shape[0])
+        shallow = len(calls) % llama.config.num_hidden_layers < llama.config.num_hidden_layers // 2
+        mass[[40, 41] if shallow else [90, 100]] = 100.0 if shallow else 1.0
+        calls.append(shallow)
+        return out, mass, last
+
+    monkeypatch.setattr(preview_mass, "attention_with_query_mass", fake)
+    tokens = rag_prompt(SYS, C3, C1, C2, Q2)
+    chosen = {}
+    for share in (0.0, 0.5):
+        blender, cache = setup_blender(llama, ratios=(0.02,), selection="query_preview")
+        warm_store(llama, cache, rag_prompt(SYS, C1, C2, C3, Q1))
+        calls.clear()
+        config = blender.config.replace(blend_preview_scored_from=share)
+        result = blender.blend(tokens, config=config)
+        chosen[share] = set(result.recomputed.tolist()) & {40, 41, 90, 100}
+    assert chosen[0.0] == {40, 41}
+    assert chosen[0.5] == {90, 100}
 
 
 def test_query_preview_last_weights_the_last_tokens_reads(llama, monkeypatch) -> None:

@@ -254,3 +254,26 @@ def test_verify_checks_every_layer_kind(tmp_path, capsys) -> None:
     assert f"PASS  re-rotation error (layer 0, window {GEMMA3_WINDOW})" in out, out
     assert "PASS  re-rotation error (layer 2, global)" in out, out
     assert "PASS  ratio 1.0: max first-token logit difference" in out, out
+
+
+def test_bench_prefix_caching_keeps_every_row_of_the_windowed_layers(gemma) -> None:
+    """The HF benchmark's prefix-caching strategy on a prompt four windows long: its K/V (what
+    decoding continues from) are full prefill's in every layer, windowed ones included, not the
+    last window alone (fp32 tolerance of numerics.py)."""
+    from lmcache_backend.bench.hf_engine import HFEngine
+    from lmcache_backend.bench.strategies import PREFIX, Strategy
+
+    ids = rand_ids(4 * GEMMA3_WINDOW, 11)
+    bench = HFEngine.__new__(HFEngine)  # the prefix path needs only the model and its prompts
+    bench.model, bench.num_layers = gemma, gemma.config.num_hidden_layers
+    first = hf_full_prefill(gemma, ids)
+    bench._prompts = [(ids, first.keys, first.values)]
+    asked = ids[: 2 * GEMMA3_WINDOW] + rand_ids(2 * GEMMA3_WINDOW, 12)
+    run = bench.prefill(Strategy("prefix caching", PREFIX, block_size=1), asked)
+    full = hf_full_prefill(gemma, asked)
+    assert run.reused_tokens == 2 * GEMMA3_WINDOW
+    assert_close(run.logits, full.logits, torch.float32)
+    for layer in range(bench.num_layers):
+        assert run.state.keys[layer].shape == full.keys[layer].shape, layer
+        assert_close(run.state.keys[layer], full.keys[layer], torch.float32)
+        assert_close(run.state.values[layer], full.values[layer], torch.float32)

@@ -73,11 +73,15 @@ def hf_full_prefill(model: torch.nn.Module, token_ids: Sequence[int]) -> Prefill
     return Prefill(logits, keys, values, ttft)
 
 
-def kv_to_dynamic_cache(model: torch.nn.Module, keys, values):
-    """An HF ``DynamicCache`` holding per-layer ``[T, Hkv, D]`` K/V, ready for decoding."""
+def kv_to_dynamic_cache(model: torch.nn.Module, keys, values, every_row: bool = False):
+    """An HF ``DynamicCache`` holding per-layer ``[T, Hkv, D]`` K/V, ready for decoding.
+
+    A cache built from the model's config keeps only the last window of a sliding-window layer
+    (all decoding needs); ``every_row`` keeps every row, for a prefill that continues from it and
+    whose K/V are read back whole (see :func:`hf_full_prefill`)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache() if every_row else DynamicCache(config=model.config)
     for layer, (k, v) in enumerate(zip(keys, values)):
         cache.update(
             k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(), layer
