@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from lmcache_backend.bench.strategies import Strategy
+from lmcache_backend.blend.selection import chunk_heads
 
 
 @dataclass
@@ -103,11 +104,8 @@ def epic_recompute_mask(segments: Sequence[Any], num_tokens: int, k: int) -> tor
     ``segments`` are the prompt's parts in order (system, chunks..., question); the system part
     sits at the same positions in every prompt, so its cached K/V is exact and is kept.
     """
-    mask = torch.zeros(num_tokens, dtype=torch.bool)
     if len(segments) < 2:
-        mask[:] = True
-        return mask
-    for seg in segments[1:-1]:
-        mask[seg.start : min(seg.end, seg.start + k)] = True
+        return torch.ones(num_tokens, dtype=torch.bool)
+    mask = chunk_heads([(s.start, s.end - s.start) for s in segments[1:-1]], num_tokens, k)
     mask[segments[-1].start :] = True
     return mask

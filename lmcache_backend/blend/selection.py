@@ -299,16 +299,15 @@ def chunk_heads(starts_and_lengths: list[tuple[int, int]], num_tokens: int, k: i
     """``[T]`` bool: the first ``k`` tokens of every reused chunk (``(start, length)`` each)."""
     heads = torch.zeros(num_tokens, dtype=torch.bool)
     for start, length in starts_and_lengths:
-        heads[start : min(start + min(k, length), num_tokens)] = True
+        heads[start : start + min(k, length)] = True
     return heads
 
 
 def heads_first(scores: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
     """``scores [T]`` with every ``heads`` token ranked above every other (in their own order
     among themselves), so a top-k takes the heads before anything else."""
-    lift = scores[heads].abs().max() if bool(heads.any()) else scores.new_zeros(())
-    top = scores.abs().max() + lift + 1
-    return torch.where(heads, scores + top, scores)
+    # a head at -m lifted by 2m + 1 lands above every other score (at most m)
+    return torch.where(heads, scores + 2 * scores.abs().max() + 1, scores)
 
 
 def first_scored_layer(share: float, num_layers: int) -> int:
