@@ -103,7 +103,7 @@ $(NPU_STAMP): setup.py pyproject.toml
 
 # About 30-45 min on one GPU (estimated: not run yet), most of it vLLM starting 12 engines.
 gpu-check: $(GPU_STAMP)
-	$(GPU_PY) -m lmcache_backend hardware-check --device cuda --out $(HARDWARE_OUT)
+	$(GPU_PY) -m lmcache_backend hardware-check --device cuda --workers 8 --out $(HARDWARE_OUT)
 
 npu-check: $(NPU_STAMP)
 	$(NPU_PY) -m lmcache_backend hardware-check --device npu --out $(HARDWARE_OUT)

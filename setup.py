@@ -63,6 +63,8 @@ setup(
         "clients": CLIENT_PACKAGES,
         "test": [
             "pytest>=8",
+            # `hardware-check --workers N` spreads the device tests over N processes
+            "pytest-xdist>=3.5",
             "ruff>=0.6",
             "triton>=3.0",
             "transformers>=4.51,<5.20",

@@ -18,6 +18,9 @@ from ._common import device_of, device_reason, index_reason, next_pow2, rows_2d,
 # About 4096 elements per program (8-32 KB): enough bytes in flight to keep a copy memory-bound.
 _ELEMENTS_PER_PROGRAM = 4096
 _MAX_BLOCK_FEATURES = 1024
+# 8 warps kept more loads in flight than 4: on an H200, 0.156-0.159 ms instead of 0.166-0.171 ms
+# to move half of a 262,144 x 1,024 bf16 tensor's rows (the copy bandwidth's 80% line lies between)
+_NUM_WARPS = 8
 
 
 def _blocks(num_rows: int, num_features: int) -> tuple[int, int]:
@@ -124,7 +127,7 @@ def gather_rows(
             dst.stride(0),
             BLOCK_N=block_n,
             BLOCK_F=block_f,
-            num_warps=4,
+            num_warps=_NUM_WARPS,
         )
     return out
 
@@ -165,7 +168,7 @@ def scatter_rows(dst: torch.Tensor, indices: torch.Tensor, src: torch.Tensor) ->
             flat_src.stride(0),
             BLOCK_N=block_n,
             BLOCK_F=block_f,
-            num_warps=4,
+            num_warps=_NUM_WARPS,
         )
     return dst
 

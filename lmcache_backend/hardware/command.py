@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sizes", default="8000,32000", help="prompt sizes for the 8B config, tokens"
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per 8B prompt size")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="run the device tests in this many processes (needs pytest-xdist; default: one)",
+    )
 
 
 def probe(device: str, logs: Path) -> dict:
@@ -104,7 +110,7 @@ def _long(args: argparse.Namespace, info: dict, logs: Path, cache: Path) -> list
 
 
 def _tests(args: argparse.Namespace, info: dict, logs: Path, cache: Path) -> list[Row]:
-    return device_tests.run(args.device, logs, args.dry_run)
+    return device_tests.run(args.device, logs, args.dry_run, args.workers)
 
 
 _STEP_FUNCS: dict[str, Callable[[argparse.Namespace, dict, Path, Path], list[Row]]] = {

@@ -11,6 +11,7 @@ where running ~1,000 kernel tests in Triton's interpreter would take many minute
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -50,13 +51,24 @@ def selected_files(device: str, root: Path | None = None) -> list[str]:
     return files
 
 
-def pytest_command(files: list[str], outcomes: Path, dry_run: bool) -> list[str]:
-    """The pytest command line; ``-rs`` lists the skips in the log as well."""
+def pytest_command(files: list[str], outcomes: Path, dry_run: bool, workers: int = 0) -> list[str]:
+    """The pytest command line; ``-rs`` lists the skips in the log as well. ``workers`` > 0
+    spreads the tests over that many processes with pytest-xdist (the kernels' first compiles
+    dominate the step, and they run on the CPU cores)."""
     cmd = python_module("pytest", "-q", "-rs", "-p", "lmcache_backend.hardware.outcomes")
     cmd += ["--outcomes-json", str(outcomes)]
     if dry_run:
         cmd.append("--collect-only")
+    elif workers > 0:
+        cmd += ["-n", str(workers)]
     return cmd + files
+
+
+def xdist_missing(workers: int) -> str | None:
+    """Why ``workers`` cannot be honoured (pytest-xdist not installed), else None."""
+    if workers > 0 and importlib.util.find_spec("xdist") is None:
+        return f"--workers {workers} needs pytest-xdist (pip install pytest-xdist)"
+    return None
 
 
 def judge(outcomes: dict | None, returncode: int, dry_run: bool) -> tuple[bool, str]:
@@ -98,16 +110,19 @@ def read_outcomes(path: Path) -> dict | None:
         return None
 
 
-def run(device: str, logs: Path, dry_run: bool) -> list[Row]:
+def run(device: str, logs: Path, dry_run: bool, workers: int = 0) -> list[Row]:
     """Run (or, dry, collect) the selection for ``device``; one table row."""
     files = selected_files(device)
+    case = ", ".join(SELECTIONS[device])
+    missing = xdist_missing(workers)
+    if missing:
+        return [Row(STEP, case, FAIL, missing)]
     outcomes_path = logs / "device-tests.json"
     outcomes_path.unlink(missing_ok=True)
-    cmd = pytest_command(files, outcomes_path, dry_run)
+    cmd = pytest_command(files, outcomes_path, dry_run, workers)
     start = time.monotonic()
     rc = run_child(cmd, logs / "device-tests.log", env=device_env(dry_run), timeout=3600)
     ok, summary = judge(read_outcomes(outcomes_path), rc, dry_run)
-    case = ", ".join(SELECTIONS[device])
     seconds = time.monotonic() - start
     if dry_run:
         return [Row(STEP, case, DRY if ok else FAIL, f"{DRY} ({summary})")]

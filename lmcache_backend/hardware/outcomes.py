@@ -8,6 +8,10 @@ hooks see every report, with ``--collect-only`` too, so the dry run reads the sa
 The file: ``{"collected": n, "passed": n, "failed": [...], "errors": [...], "skipped": [...]}``,
 each list item ``{"nodeid": ..., "reason": ...}``. An expected failure (``xfail``) is listed
 with the skips: on a device it verified nothing either.
+
+Under pytest-xdist (``-n N``) the controller writes the file: it receives every worker's reports,
+and the collected count comes from the workers' collections (each collects the whole selection),
+so the workers themselves write nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _STATE.clear()
-    _STATE.update(path=config.getoption("--outcomes-json"), collected=0, passed=0)
+    # an xdist worker has ``workerinput``; its reports reach the controller, which writes the file
+    path = None if hasattr(config, "workerinput") else config.getoption("--outcomes-json")
+    _STATE.update(path=path, collected=0, passed=0)
     _STATE.update(failed=[], errors=[], skipped=[])
 
 
@@ -48,6 +54,12 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     _STATE["collected"] = len(session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """xdist's controller collects nothing itself: count one worker's (identical) collection."""
+    _STATE["collected"] = max(_STATE["collected"], len(ids))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -80,12 +80,15 @@ def test_the_dry_run_prints_a_table_of_every_step(tmp_path: Path) -> None:
     assert "load_format': 'dummy'" in done.stdout and "--graphs" in done.stdout
 
 
-def _pytest_run(tmp_path: Path, body: str, dry_run: bool = False) -> tuple[bool, str]:
+def _pytest_run(
+    tmp_path: Path, body: str, dry_run: bool = False, workers: int = 0
+) -> tuple[bool, str]:
     """Run ``body`` as a test file through the check's pytest command; its verdict."""
     test = tmp_path / "test_fake_device.py"
     test.write_text(textwrap.dedent(body))
     outcomes = tmp_path / "outcomes.json"
-    cmd = device_tests.pytest_command([test.name], outcomes, dry_run) + ["-p", "no:cacheprovider"]
+    cmd = device_tests.pytest_command([test.name], outcomes, dry_run, workers)
+    cmd += ["-p", "no:cacheprovider"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     return device_tests.judge(device_tests.read_outcomes(outcomes), done.returncode, dry_run)
 
@@ -120,6 +123,32 @@ def test_a_module_skipped_at_collection_fails_the_check_even_dry(tmp_path: Path)
     for dry in (False, True):
         ok, summary = _pytest_run(tmp_path, body, dry_run=dry)
         assert not ok and "a_package_that_is_not_installed" in summary, summary
+
+
+def test_workers_report_every_outcome_through_the_controller(tmp_path: Path) -> None:
+    pytest.importorskip("xdist")
+    body = """
+        import pytest
+
+        @pytest.mark.parametrize("i", range(6))
+        def test_runs(i):
+            assert True
+
+        def test_needs_a_device():
+            pytest.skip("no CUDA device visible")
+
+        def test_breaks():
+            assert False
+        """
+    ok, summary = _pytest_run(tmp_path, body, workers=2)
+    assert not ok
+    assert summary.startswith("6/8 passed, 1 failed, 1 skipped, 0 errors"), summary
+
+
+def test_workers_without_xdist_fail_the_row_with_the_reason(monkeypatch) -> None:
+    monkeypatch.setattr(device_tests.importlib.util, "find_spec", lambda name: None)
+    assert "needs pytest-xdist" in device_tests.xdist_missing(4)
+    assert device_tests.xdist_missing(0) is None
 
 
 def test_only_passes_pass_the_check(tmp_path: Path) -> None:

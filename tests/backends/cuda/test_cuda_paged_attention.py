@@ -18,11 +18,13 @@ pytest.importorskip("triton")
 BLOCK_SIZE = 16
 
 
-def _caches(layout: str, num_blocks: int, heads: int, dim: int, dtype: torch.dtype):
+def _caches(
+    layout: str, num_blocks: int, heads: int, dim: int, dtype: torch.dtype, bs: int = BLOCK_SIZE
+):
     """``(key_cache, value_cache)`` views ``[NB, BS, H, D]`` of one layer, NaN-filled."""
     nan = float("nan")
     if layout == "nhd":
-        k = torch.full((num_blocks, BLOCK_SIZE, heads, dim), nan, dtype=dtype, device=DEVICE)
+        k = torch.full((num_blocks, bs, heads, dim), nan, dtype=dtype, device=DEVICE)
         return k, torch.full_like(k, nan)
     if layout == "hnd":  # memory [NB, H, BS, D]
         k = torch.full((num_blocks, heads, BLOCK_SIZE, dim), nan, dtype=dtype, device=DEVICE)
@@ -37,11 +39,11 @@ def _caches(layout: str, num_blocks: int, heads: int, dim: int, dtype: torch.dty
 def _fill(key_cache, value_cache, table, num_tokens: int, g: torch.Generator):
     """Random K/V for the request's tokens ``0..num_tokens-1`` through ``table``; returns them
     contiguous ``[T, H, D]``."""
-    heads, dim = key_cache.shape[2], key_cache.shape[3]
+    heads, dim, bs = key_cache.shape[2], key_cache.shape[3], key_cache.shape[1]
     keys = torch.randn(num_tokens, heads, dim, generator=g).to(key_cache.device, key_cache.dtype)
     values = torch.randn(num_tokens, heads, dim, generator=g).to(key_cache.device, key_cache.dtype)
     for t in range(num_tokens):
-        block, row = int(table[t // BLOCK_SIZE]), t % BLOCK_SIZE
+        block, row = int(table[t // bs]), t % bs
         key_cache[block, row] = keys[t]
         value_cache[block, row] = values[t]
     return keys, values
@@ -76,6 +78,25 @@ def test_paged_attention_matches_the_reference(layout, case) -> None:
     assert got.dtype == dtype and got.device.type == DEVICE and not torch.isnan(got).any()
     assert_close(got, want, dtype)
     assert_close(paged_attention_at_positions(*args), want, dtype)
+
+
+@pytest.mark.parametrize("block_size", [1, 12, 32])
+def test_other_block_sizes_match_the_reference(block_size) -> None:
+    """The block size is a compile-time constant of the kernel: each one compiles its own
+    division, a size that is not a power of two included."""
+    g = torch.Generator().manual_seed(block_size)
+    num_tokens, dim = 70, 32
+    num_blocks = -(-num_tokens // block_size)
+    key_cache, value_cache = _caches("nhd", num_blocks + 2, 2, dim, torch.float32, block_size)
+    table = torch.randperm(num_blocks + 2, generator=g)[:num_blocks].to(DEVICE)
+    keys, values = _fill(key_cache, value_cache, table, num_tokens, g)
+    positions = torch.tensor([0, block_size, 33, 68, 69], device=DEVICE)
+    q = torch.randn(positions.numel(), 4, dim, generator=g).to(DEVICE)
+    ops = get_ops("cuda")
+    args = (q, key_cache, value_cache, table, positions, dim**-0.5)
+    assert ops.decline_reason("paged_attention_at_positions", *args) is None
+    want = attention_at_positions(q, keys, values, positions, dim**-0.5)
+    assert_close(ops.paged_attention_at_positions(*args), want, torch.float32)
 
 
 def test_a_wrong_block_order_is_seen() -> None:
