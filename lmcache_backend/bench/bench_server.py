@@ -26,7 +26,7 @@ def bench_server(
     in a temporary folder) and log in that folder; on an error its last log lines are printed to
     ``out``; it is stopped and the folder removed at the end.
     """
-    from lmcache_backend.demos.server import ServerProcess
+    from lmcache_backend.demos.server_process import ServerProcess
 
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         if url:

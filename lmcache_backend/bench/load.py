@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -34,6 +35,8 @@ PHASES = {
     "full": PhaseSpec("full prefill", params={"blend": False}, unique_salt=True),
     "prefix": PhaseSpec("prefix caching", params={"blend": False}),
     "blend": PhaseSpec("cacheblend"),
+    # the bound any reuse can reach: prefill (almost) free, decode and the rest as in the others
+    "cached": PhaseSpec("prompt cached", params={"blend": False}, same_prompt=True),
 }
 SERVER_ARGS = ["--enable-prefix-caching", "--max-model-len", "4096"]
 
@@ -58,7 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> 
     g.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of popularity (1.0)")
     g.add_argument("--k", type=int, default=5, help="corpus chunks per request (default: 5)")
     g.add_argument(
-        "--phases", default="full,prefix,blend", help="comma list of full, prefix, blend"
+        "--phases",
+        default="full,prefix,blend",
+        help="comma list of full, prefix, blend, cached (the same prompt every time, served by "
+        "vLLM's prefix cache: the throughput no reuse can exceed)",
     )
     g.add_argument("--stream-tokens", type=int, default=32, help="tokens per answer (32)")
     g.add_argument("--window", type=int, default=100, help="requests per window (default: 100)")
@@ -182,6 +188,8 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
                 seed=args.seed * 100 + i,
                 first_badge=1 + i * args.requests,
             )
+            if spec.same_prompt:
+                reqs = [dataclasses.replace(reqs[0], index=j) for j in range(len(reqs))]
             before = len(_lines(stats_path))
             print(f"phase {spec.name}: {len(reqs)} requests ...", file=out, flush=True)
             phase = _run_one(url, model, spec, reqs, args, run_id)

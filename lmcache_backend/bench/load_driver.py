@@ -20,12 +20,15 @@ from lmcache_backend.bench.load_workload import LoadRequest, mixed_up
 
 @dataclass
 class PhaseSpec:
-    """How a phase sends its requests: ``params`` (``kv_transfer_params``) and ``salt`` (a
-    unique ``cache_salt`` per request: neither vLLM's prefix cache nor the store serves it)."""
+    """How a phase sends its requests: ``params`` (``kv_transfer_params``), ``salt`` (a
+    unique ``cache_salt`` per request: neither vLLM's prefix cache nor the store serves it) and
+    ``same_prompt`` (every request sends the phase's first prompt: vLLM's prefix cache serves all
+    of it but the last block)."""
 
     name: str
     params: dict[str, Any] | None = None
     unique_salt: bool = False
+    same_prompt: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -51,7 +54,7 @@ def request_body(
 
 def parse_metrics(text: str) -> dict[str, float]:
     """The connector's counters of :data:`METRIC_COUNTERS`, summed over labels."""
-    from lmcache_backend.demos.server import metric_total
+    from lmcache_backend.demos.server_process import metric_total
 
     return {name: metric_total(text, name) for name in METRIC_COUNTERS}
 

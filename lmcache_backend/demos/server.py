@@ -18,164 +18,23 @@ full prefill really computes every token. The server is stopped at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lmcache_backend.demos.server_process import ServerProcess
 
 #: The separator between documents (``blend_special_str``'s default).
 SEPARATOR = " # # "
 
 #: The warm-up question: the documents are stored under a question the chats never ask.
 WARM_QUESTION = "Which names appear in the documents?"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class ServerProcess:
-    """``lmcache-backend serve`` as a child process on a loopback port; every wait is bounded.
-
-    Args:
-        vllm_args: further ``vllm serve`` options (e.g. ``["--enforce-eager"]``).
-        env: environment variables set for the server (``LMCACHE_*``, ``VLLM_*``).
-        stats_file: the connector's JSON-lines file of blended requests.
-        log_path: where the server's output goes (default: a temporary file).
-        model: model folder (default: the embedded SmolLM2 model).
-    """
-
-    def __init__(
-        self,
-        vllm_args: list[str] | tuple[str, ...] = (),
-        *,
-        env: dict[str, str] | None = None,
-        stats_file: str | Path | None = None,
-        log_path: str | Path | None = None,
-        model: str | None = None,
-    ) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.stats_file = Path(stats_file) if stats_file else None
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="lmcache-backend-serve-", suffix=".log")
-            os.close(fd)
-        self.log_path = Path(log_path)
-        cmd = [sys.executable, "-m", "lmcache_backend", "serve"]
-        if model:
-            cmd.append(model)
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *vllm_args]
-        if self.stats_file:
-            cmd += ["--stats-file", str(self.stats_file)]
-        self.cmd = cmd
-        self.env = {
-            **os.environ,
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-            # CPU build: reserve this many GiB for the KV cache instead of a share of all memory
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "LMCACHE_ENABLE_BLENDING": "true",
-            **(env or {}),
-        }
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 300.0) -> ServerProcess:
-        """Start the server and wait until ``/health`` answers (at most ``timeout_s``).
-
-        Raises:
-            RuntimeError: the server exited or did not answer in time (with its last log lines).
-        """
-        log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes to it until stop()
-        # A session of its own: stop() ends the server and the engine processes it started.
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            time.sleep(1.0)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def metrics(self) -> str:
-        """The server's Prometheus metrics (``/metrics``)."""
-        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as resp:
-            return resp.read().decode()
-
-    def stats(self, left_to_vllm: bool = False) -> list[dict]:
-        """The connector's records of blended requests so far (``left_to_vllm``: also the
-        lines of the requests it left to vLLM, ``"blended": false``)."""
-        if not self.stats_file or not self.stats_file.exists():
-            return []
-        lines = [json.loads(line) for line in self.stats_file.read_text().splitlines() if line]
-        return lines if left_to_vllm else [r for r in lines if r.get("blended", True)]
-
-    def client(self, timeout_s: float = 120.0) -> Any:
-        from openai import OpenAI
-
-        return OpenAI(
-            base_url=f"{self.base_url}/v1", api_key="unused", timeout=timeout_s, max_retries=0
-        )
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-def metric_total(metrics_text: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus metric's samples over its labels (``vllm:num_preemptions_total``),
-    or over the samples carrying every label given (``reason="opted out"``)."""
-    total = 0.0
-    wanted = [f'{key}="{value}"' for key, value in labels.items()]
-    for line in metrics_text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            head = line.rsplit(" ", 1)[0]
-            if all(w in head for w in wanted):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @dataclass

@@ -243,6 +243,21 @@ def test_a_run_against_a_url_writes_json_and_plots(fake_server, tmp_path, capsys
     assert sum("kv_transfer_params" in b for b in _FakeOpenAI.bodies) == 1 + 5
 
 
+def test_the_cached_phase_sends_one_prompt_every_time_opted_out(fake_server, tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    load.add_arguments(parser, standalone=True)
+    args = parser.parse_args(
+        ["--url", fake_server, "--requests", "4", "--corpus-chunks", "8", "--k", "2"]
+        + ["--phases", "cached", "--no-progress"]
+    )
+    result = load.run(args, out=open(tmp_path / "out.txt", "w"))
+    cached = result["phases"]["prompt cached"]["summary"]
+    assert cached["completed"] == 4 and cached["mixed_up"] == 0 and cached["own_fact"] == 4
+    assert len({json.dumps(b["messages"]) for b in _FakeOpenAI.bodies[1:]}) == 1
+    assert all(b["kv_transfer_params"] == {"blend": False} for b in _FakeOpenAI.bodies[1:])
+    assert all("cache_salt" not in b for b in _FakeOpenAI.bodies)
+
+
 def _real_server_args(argv: list[str]) -> argparse.Namespace:
     """``bench --load`` flags for a run against a started ``lmcache-backend serve`` (skips
     without vLLM or the embedded model)."""

@@ -23,7 +23,7 @@ from lmcache_backend.bench.client_common import StatsFile  # noqa: E402
 from lmcache_backend.bench.clients import make_shape, served_model  # noqa: E402
 from lmcache_backend.bench.dataset import WARM_QUESTION  # noqa: E402
 from lmcache_backend.data.examples import builtin_examples, reordered  # noqa: E402
-from lmcache_backend.demos.server import ServerProcess  # noqa: E402
+from lmcache_backend.demos.server_process import ServerProcess  # noqa: E402
 
 #: Settings beyond LMCACHE_ENABLE_BLENDING=true: none, as a user starts the server.
 SERVER_ENV: dict[str, str] = {}

@@ -27,13 +27,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("openai")
 
-from lmcache_backend.demos.server import (  # noqa: E402
-    WARM_QUESTION,
-    RagClient,
-    ServerProcess,
-    metric_total,
-    run_chats,
-)
+from lmcache_backend.demos.server import WARM_QUESTION, RagClient, run_chats  # noqa: E402
+from lmcache_backend.demos.server_process import ServerProcess, metric_total  # noqa: E402
 
 KV_BLOCKS = 80  # x 32 tokens: 2,560 tokens of KV cache
 SERVER_ARGS = [
