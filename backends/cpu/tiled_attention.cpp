@@ -7,7 +7,9 @@
 // the gaps between them: one tile's rows (queries x the query heads of one KV head) read each
 // key block once, with the two products in oneDNN's bf16 brgemm. The exact mask comes from
 // each row's own position (keys after it get -inf), so gaps cost nothing but the few keys
-// between a tile's first and last query.
+// between a tile's first and last query. With a sliding window a row also masks the keys before
+// its window, and a tile starts at the block holding its first query's window: a windowed
+// layer reads about a window of keys per query, not the whole prompt.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -100,10 +102,12 @@ std::vector<int64_t> balanced_ranges(const std::vector<double>& cost, int64_t th
 
 // q [N, Hq, D] bf16 at sorted positions [N] (int64); k, v [T, Hkv, D] bf16, row t = position t.
 // Returns [N, Hq, D] bf16: for each query, softmax(q k^T * scale) v over keys 0..its position
-// (grouped-query heads: query head i reads KV head i / (Hq / Hkv)). Softmax and accumulation
-// in fp32; the probabilities are rounded to bf16 for the second product, as vLLM's kernel does.
+// (grouped-query heads: query head i reads KV head i / (Hq / Hkv)); with window > 0, over keys
+// p - window + 1 .. p only (HF's and vLLM's sliding window). Softmax and accumulation in fp32;
+// the probabilities are rounded to bf16 for the second product, as vLLM's kernel does.
 torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::Tensor k,
-                              torch::Tensor v, double scale, int64_t tile_queries) {
+                              torch::Tensor v, double scale, int64_t tile_queries,
+                              int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16,
               "tiled_attention: q, k and v must be bfloat16");
@@ -116,6 +120,7 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
   TORCH_CHECK(k.size(2) == dim && dim % 32 == 0, "tiled_attention: head dim must be a multiple of 32");
   TORCH_CHECK(heads % kv_heads == 0, "tiled_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == num_q, "tiled_attention: positions [N]");
+  TORCH_CHECK(window >= 0, "tiled_attention: window must be >= 0 (0: none), got ", window);
   auto out = torch::empty_like(q);
   if (num_q == 0) return out;
   auto pos_tensor = positions.to(at::kLong).contiguous();
@@ -141,7 +146,8 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
   std::vector<double> cost(tiles * kv_heads);
   for (int64_t j = 0; j < tiles * kv_heads; ++j) {
     const int64_t lo = (j / kv_heads) * tile, hi = std::min(num_q, lo + tile);
-    cost[j] = double(hi - lo) * double(pos[hi - 1] + 1 + KEY_STEP);
+    const int64_t keys = pos[hi - 1] + 1 - (window > 0 ? std::max<int64_t>(0, pos[lo] - window + 1) : 0);
+    cost[j] = double(hi - lo) * double(keys + KEY_STEP);
   }
   const int64_t threads = at::get_num_threads();
   const std::vector<int64_t> bounds = balanced_ranges(cost, threads);
@@ -179,7 +185,9 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
         std::fill_n(run_max.data(), m, ninf);
         std::fill_n(run_sum.data(), m, 0.f);
         const int64_t first_pos = pos[lo], last_pos = pos[hi - 1];
-        for (int64_t n0 = 0; n0 <= last_pos; n0 += BLOCK_N) {
+        // the block holding the first key any row of the tile sees
+        const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+        for (int64_t n0 = first_key / BLOCK_N * BLOCK_N; n0 <= last_pos; n0 += BLOCK_N) {
           const int64_t b = n0 / BLOCK_N;
           // keys n0..n0+width-1 of this block: all of it, or up to the tile's last query
           const int64_t width =
@@ -187,16 +195,20 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
           at::native::cpublas::brgemm(m, width, dim, dim, BLOCK_N, BLOCK_N, false,
                                       rows_q.data(), k_data + (h * blocks + b) * dim * BLOCK_N,
                                       scores.data());
-          const bool masked = n0 + width - 1 > first_pos;
+          const bool masked = window > 0 || n0 + width - 1 > first_pos;
           for (int64_t r = 0; r < m; ++r) {
             float* row = scores.data() + r * BLOCK_N;
             bf16* prob = probs.data() + r * BLOCK_N;
             const int64_t visible =
                 masked ? std::clamp<int64_t>(row_pos[r] - n0 + 1, 0, width) : width;
-            if (visible == 0) {  // every key of the block is after this row's query
+            // keys before the row's window: the first `hidden` of the block
+            const int64_t hidden =
+                window > 0 ? std::clamp<int64_t>(row_pos[r] - window + 1 - n0, 0, width) : 0;
+            if (visible <= hidden) {  // every key of the block is outside this row's view
               std::fill_n(prob, width, bf16(0.f));
               continue;
             }
+            std::fill(row, row + hidden, ninf);
             std::fill(row + visible, row + width, ninf);
             // online softmax: rescale what was summed so far to the new running maximum
             Vec vmax(ninf);
@@ -244,5 +256,6 @@ torch::Tensor tiled_attention(torch::Tensor q, torch::Tensor positions, torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_attention", &tiled_attention,
-        "exact causal attention of queries at sorted positions over contiguous bf16 K/V");
+        "exact causal attention of queries at sorted positions over contiguous bf16 K/V, "
+        "optionally within a sliding window");
 }

@@ -36,10 +36,9 @@ TILE_QUERIES = 16
 #: the CPU flags the kernel is compiled for (``-march=native`` must include them)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
-#: ``tiled_attention(q [N, Hq, D], positions [N], k [T, Hkv, D], v [T, Hkv, D], scale)``
-TiledAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
+#: ``tiled_attention(q [N, Hq, D], positions [N], k [T, Hkv, D], v [T, Hkv, D], scale,
+#: window=None)``
+TiledAttention = Callable[..., torch.Tensor]
 #: compiled for this machine's CPU (checked against REQUIRED_FLAGS first); ATen's vector
 #: types in their AVX-512 form; OpenMP on, or ATen's parallel_for (inline in its headers) runs
 #: on one thread. The library then shares torch's own libgomp (the same soname, loaded first).
@@ -136,12 +135,24 @@ def load_tiled_attention() -> TiledAttention:
     logger.info("tiled attention kernel loaded from %s", build)
 
     def tiled_attention(
-        q: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``q [N, Hq, D]`` at sorted ``positions [N]`` over ``k``/``v`` ``[T, Hkv, D]`` (row
-        ``t`` is position ``t``), bf16 -> ``[N, Hq, D]`` bf16, each query over keys ``0..p``."""
+        ``t`` is position ``t``), bf16 -> ``[N, Hq, D]`` bf16, each query over keys ``0..p``,
+        or ``p - window + 1 .. p`` with a sliding ``window``."""
         return module.tiled_attention(
-            q.contiguous(), positions.cpu(), k.contiguous(), v.contiguous(), scale, TILE_QUERIES
+            q.contiguous(),
+            positions.cpu(),
+            k.contiguous(),
+            v.contiguous(),
+            scale,
+            TILE_QUERIES,
+            window or 0,
         )
 
     return tiled_attention
@@ -157,8 +168,10 @@ def verify_attention_at_positions(
     window: int | None = None,
 ) -> str | None:
     """Why the tiled kernel cannot serve this ``attention_at_positions`` call, or None."""
-    if window is not None:
-        return "no sliding window in the tiled kernel"
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        return f"needs a whole number of positions as the window, got {window!r}"
+    if window is not None and window < 1:
+        return f"needs a window of at least one position, got {window}"
     tensors = (q, k, v)
     if any(t.device.type != "cpu" for t in (*tensors, q_positions)):
         return "not CPU tensors"
@@ -195,9 +208,8 @@ def register_ops() -> None:
         window: int | None = None,
     ) -> torch.Tensor:
         """``q [N, Hq, D]`` at sorted ``q_positions [N]`` over ``k``/``v`` ``[T, Hkv, D]``,
-        bf16 -> ``[N, Hq, D]`` bf16; the query at position ``p`` attends keys ``0..p``."""
-        if window is not None:  # the verifier sends these to the torch reference
-            raise ValueError("the tiled attention kernel has no sliding window")
-        return kernel(q, q_positions, k, v, float(scale))
+        bf16 -> ``[N, Hq, D]`` bf16; the query at position ``p`` attends keys ``0..p``
+        (``p - window + 1 .. p`` with a sliding ``window``)."""
+        return kernel(q, q_positions, k, v, float(scale), window)
 
     register("cpu", "attention_at_positions", attention_at_positions, verify_attention_at_positions)

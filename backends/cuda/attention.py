@@ -57,19 +57,40 @@ def _query_rows(
 
 
 @triton.jit
-def _attend_key_tile(q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr):
+def _attend_key_tile(
+    q,
+    k,
+    v,
+    keys,
+    pos,
+    m_i,
+    l_i,
+    acc,
+    qk_scale_log2,
+    window,
+    DOT_FP32: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):
     """One key tile of the online softmax: ``k [D, BLOCK_N]`` and ``v [BLOCK_N, Dv]`` of the
     key indices ``keys [BLOCK_N]``, for the query rows at ``pos [BLOCK_M]`` (a row sees the keys
-    at or before its position). Returns the running max, sum and accumulator, updated."""
+    at or before its position; ``WINDOWED``: only the last ``window`` of them). Returns the
+    running max, sum and accumulator, updated."""
     if DOT_FP32:
         qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
     else:
         qk = tl.dot(q, k.to(q.dtype))
     visible = keys[None, :] <= pos[:, None]
+    if WINDOWED:
+        visible = visible & (keys[None, :] > pos[:, None] - window)
     s = tl.where(visible, qk * qk_scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    shift = m_new
+    if WINDOWED:
+        # a row whose window starts in a later tile has seen no key yet: its max stays -inf
+        # and its sums 0 (exp2(-inf - -inf) would be NaN); causally every row sees key 0 first
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - shift)
+    p = tl.math.exp2(s - shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if DOT_FP32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -105,6 +126,7 @@ def _attention_at_positions_kernel(
     num_k,
     group,
     qk_scale_log2,
+    window,
     stride_qn,
     stride_qh,
     stride_kn,
@@ -118,6 +140,7 @@ def _attention_at_positions_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     kv_head, row_mask, q_idx, q_head, pos, q = _query_rows(
         q_ptr, pos_ptr, num_q, group, stride_qn, stride_qh, HEAD_DIM, BLOCK_M, DOT_FP32
@@ -130,9 +153,15 @@ def _attention_at_positions_kernel(
 
     # Keys beyond the largest position of this tile are masked for every row: never load them.
     key_end = tl.minimum(tl.max(pos, axis=0) + 1, num_k)
+    key_start = 0
+    if WINDOWED:
+        # padding rows take the tile's last position (they would see no key of a late window)
+        pos = tl.where(row_mask, pos, key_end - 1)
+        # keys before the first row's window are masked for every row: never load them either
+        key_start = tl.maximum(tl.min(pos, axis=0) - window + 1, 0) // BLOCK_N * BLOCK_N
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
-    for start in range(0, key_end, BLOCK_N):
+    for start in range(key_start, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < key_end
         keys64 = keys.to(tl.int64)
@@ -142,7 +171,9 @@ def _attention_at_positions_kernel(
         v = tl.load(
             v_base + keys64[:, None] * stride_vn + dv[None, :], mask=key_mask[:, None], other=0.0
         )
-        m_i, l_i, acc = _attend_key_tile(q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, DOT_FP32)
+        m_i, l_i, acc = _attend_key_tile(
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, window, DOT_FP32, WINDOWED
+        )
 
     _store_rows(out_ptr, acc, l_i, q_idx, q_head, row_mask, stride_on, stride_oh, HEAD_DIM_V)
 
@@ -185,13 +216,13 @@ def attention_at_positions(
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[Nq, Hq, Dv]`` tensor of ``q.dtype`` to write into (any strides with a
             contiguous last dim).
+        window: a sliding window (keyword only): the query at ``p`` attends keys
+            ``p - window + 1 .. p``; a program reads only the key tiles its rows' windows touch.
 
     Returns:
         ``[Nq, Hq, Dv]`` in ``q.dtype`` (``out`` when given): a query at position ``p`` attends
         keys ``0..p`` (fp32 softmax and accumulation; fp32 inputs use exact fp32 dots, not TF32).
     """
-    if window is not None:  # the verifier sends these to the torch reference
-        raise ValueError("attention_at_positions: the Triton kernel has no sliding window")
     num_q, num_heads, head_dim = q.shape
     num_k, num_kv_heads, head_dim_v = v.shape
     shape = (num_q, num_heads, head_dim_v)
@@ -221,6 +252,7 @@ def attention_at_positions(
             num_k,
             group,
             float(scale) * _LOG2E,
+            window or 0,
             q.stride(0),
             q.stride(1),
             k.stride(0),
@@ -234,6 +266,7 @@ def attention_at_positions(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             DOT_FP32=dot_fp32,
+            WINDOWED=window is not None,
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -255,8 +288,10 @@ def verify_attention_at_positions(
     window: int | None = None,
 ) -> str | None:
     """Reason to leave a call to the reference, or ``None`` when the kernel serves it."""
-    if window is not None:
-        return "no sliding window in the Triton kernel"
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        return f"the window must be a whole number of positions, got {window!r}"
+    if window is not None and window < 1:
+        return f"the window must be at least one position, got {window}"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return "q, k, v must be 3-D [N, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -80,7 +80,9 @@ def _paged_attention_kernel(
         v_rows = block * stride_vb + offset * stride_vo
         k = tl.load(k_base + k_rows[None, :] + dk[:, None], mask=key_mask[None, :], other=0.0)
         v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None], other=0.0)
-        m_i, l_i, acc = _attend_key_tile(q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, DOT_FP32)
+        m_i, l_i, acc = _attend_key_tile(
+            q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, 0, DOT_FP32, False
+        )
 
     _store_rows(out_ptr, acc, l_i, q_idx, q_head, row_mask, stride_on, stride_oh, HEAD_DIM_V)
 

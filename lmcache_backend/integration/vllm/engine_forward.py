@@ -50,11 +50,10 @@ from lmcache_backend.integration.vllm.layouts import CpuAttention
 INPUT_IDS_DTYPE = torch.int32
 POSITIONS_DTYPE = torch.int64
 
-#: ``attention_at_positions(q [N, Hq, D], k [T, Hkv, D], v [T, Hkv, D], positions [N], scale)
-#: -> [N, Hq, D]``: the op registry's attention of selected queries (each over keys ``0..p``)
-SelectedQueriesAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
+#: ``attention_at_positions(q [N, Hq, D], k [T, Hkv, D], v [T, Hkv, D], positions [N], scale,
+#: *, window=None) -> [N, Hq, D]``: the op registry's attention of selected queries (each over
+#: keys ``0..p``, or ``p - window + 1 .. p``)
+SelectedQueriesAttention = Callable[..., torch.Tensor]
 
 #: ``attend(layer_index, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq, D]``: one
 #: layer's attention of the preview tokens (``k``/``v`` are their own fresh rows).

@@ -150,13 +150,15 @@ class PagedCacheTarget(KVTarget):
         """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V (on CUDA and
         Ascend through the block table); with the tiled kernel, over ``keys``/``values``
         ``[T, Hkv, D]`` (the same rows, contiguous). A sliding ``window`` (keys
-        ``p - window + 1 .. p``), which none of those kernels applies, is served by the torch
-        reference over ``keys``/``values``."""
+        ``p - window + 1 .. p``) is served over ``keys``/``values`` by the tiled kernel where
+        there is one (it applies the window), else by the torch reference."""
         if window is not None:
             if keys is None or values is None:
                 raise RuntimeError(
                     "CacheBlend: a sliding-window layer cannot attend over streamed layers"
                 )
+            if self.kernels.tiled is not None:
+                return self.kernels.tiled(q, keys, values, positions, scale, window=window)
             from lmcache_backend.ops.reference import attention_at_positions
 
             return attention_at_positions(q, keys, values, positions, scale, window=window)

@@ -86,6 +86,46 @@ def test_tiled_attention_never_reads_a_later_key() -> None:
     assert not torch.equal(after[5], before[5])  # the last query does read them
 
 
+def _windowed_reference(q, positions, k, v, scale, window):
+    return attention_at_positions(q.float(), k.float(), v.float(), positions, scale, window=window)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "num_keys, positions, window",
+    [
+        (700, [0, 1, 2, 255, 256, 257, 511, 699], 512),  # a window across block edges
+        (1100, sorted({(i * 37) % 1100 for i in range(160)}), 100),  # tiles wider than it
+        (1300, list(range(0, 1300, 5)), 256),  # a window of exactly one block
+        (600, [0, 7, 300, 599], 1),  # each query sees itself only
+        (300, list(range(0, 300, 3)), 1000),  # a window longer than the prompt: causal
+    ],
+)
+def test_tiled_attention_with_a_sliding_window_matches_the_reference(
+    num_keys, positions, window
+) -> None:
+    kernel = cpu_kernels.load_tiled_attention()
+    q, pos, k, v = _inputs(num_keys, positions)
+    out = kernel(q, pos, k, v, 0.125, window)
+    want = _windowed_reference(q, pos, k, v, 0.125, window)
+    torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
+
+
+@needs_kernel
+def test_tiled_attention_never_reads_a_key_before_the_window() -> None:
+    """Keys before a query's window, changed, leave its output bit for bit the same; a query
+    whose window holds them sees the change."""
+    kernel = cpu_kernels.load_tiled_attention()
+    q, pos, k, v = _inputs(900, [100, 400, 401, 650, 899])
+    before = kernel(q, pos, k, v, 0.125, 300)
+    k2, v2 = k.clone(), v.clone()
+    k2[:250] = 50.0  # before the windows of the queries at 650 and 899 (keys 351.. and 600..)
+    v2[:250] = -7.0
+    after = kernel(q, pos, k2, v2, 0.125, 300)
+    assert torch.equal(after[3:], before[3:])
+    assert not torch.equal(after[0], before[0]) and not torch.equal(after[1], before[1])
+
+
 @needs_kernel
 def test_tiled_attention_rejects_bad_positions() -> None:
     kernel = cpu_kernels.load_tiled_attention()
@@ -96,6 +136,8 @@ def test_tiled_attention_rejects_bad_positions() -> None:
         kernel(q, torch.tensor([2, 2]), k, v, 0.125)
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernel(q.float(), torch.tensor([1, 2]), k, v, 0.125)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        kernel(q, torch.tensor([1, 2]), k, v, 0.125, -3)
 
 
 def test_unsupported_cpu_gets_a_reason(monkeypatch) -> None:
@@ -201,6 +243,14 @@ def test_cpu_backend_serves_attention_at_positions_with_the_kernel() -> None:
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     assert ops.decline_reason("attention_at_positions", q, k, v, positions, 0.125)
     torch.testing.assert_close(ops.attention_at_positions(q, k, v, positions, 0.125), want)
+    # a sliding window is served by the kernel too (Gemma 3's local layers); a bad one is not
+    bq, bk, bv = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    args = (bq, bk, bv, positions, 0.125)
+    assert ops.decline_reason("attention_at_positions", *args, window=8) is None
+    windowed = attention_at_positions(q, k, v, positions, 0.125, window=8)
+    got = ops.attention_at_positions(*args, window=8)
+    torch.testing.assert_close(got.float(), windowed, atol=2e-2, rtol=2e-2)
+    assert "window" in ops.decline_reason("attention_at_positions", *args, window=0)
 
 
 def test_a_stale_build_lock_is_removed(tmp_path, caplog) -> None:

@@ -70,6 +70,34 @@ def test_large_head_dims(head_dim):
     assert_close(result, expected, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize(
+    "num_k, window",
+    [(300, 64), (300, 1), (200, 1000), (520, 256)],
+    ids=["window-64", "window-1", "window-longer-than-prompt", "gemma3-head-dim"],
+)
+def test_sliding_window_matches_reference(num_k, window, dtype):
+    """Gemma 3's local layers: each query sees its last ``window`` keys; a tile whose first
+    query's window starts past key 0 skips the tiles before it."""
+    head_dim = 256 if num_k == 520 else 64
+    q, k, v, positions = make_inputs(num_k, (6, 2), head_dim, dtype, seed=window)
+    args = (q, k, v, positions, head_dim**-0.5)
+    cuda = get_ops("cuda")
+    assert cuda.verifiers["attention_at_positions"](*args, window=window) is None
+    result = cuda.attention_at_positions(*args, window=window)
+    expected = get_ops("torch").attention_at_positions(*args, window=window)
+    assert_close(result, expected, dtype)
+    if window < num_k - 1:  # the window changes the answer: the test sees one not applied
+        assert not torch.allclose(result.float(), attend_both(*args)[1].float(), atol=1e-2)
+
+
+def test_a_bad_window_is_declined():
+    q, k, v, positions = make_inputs(40, (4, 4), 64, torch.float32, seed=3)
+    verify = get_ops("cuda").verifiers["attention_at_positions"]
+    assert "at least one" in verify(q, k, v, positions, 0.1, window=0)
+    assert "whole number" in verify(q, k, v, positions, 0.1, window=2.5)
+
+
 def test_every_query_is_plain_causal_attention():
     """All tokens selected: the mask is the ordinary causal triangle."""
     q, k, v, positions = make_inputs(63, (6, 2), 64, torch.float32, seed=1, num_q=63)
