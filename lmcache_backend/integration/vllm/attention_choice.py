@@ -93,9 +93,17 @@ def choose_attention(
     if paged is None:
         return SelectedAttention()
     tiled = _tiled_attention(settings.selected_attention, caches[0].dtype, model, ops)
+    if model.windowed() and tiled is None:
+        # vLLM's paged kernel takes no per-layer window here: the blender's own attention
+        logger.info(
+            "CacheBlend: the model has sliding-window layers and the tiled kernel does not run "
+            "here; the blend attends with the op registry's attention, layer by layer"
+        )
+        return SelectedAttention()
     engine_forward = None
     if settings.engine_forward and EngineForward.available():
-        engine_forward = EngineForward(model.model, vllm_config, layer_names, paged, tiled)
+        windows = [model.sliding_window(layer) for layer in range(len(layer_names))]
+        engine_forward = EngineForward(model.model, vllm_config, layer_names, paged, tiled, windows)
     return SelectedAttention(paged, tiled, engine_forward)
 
 
@@ -108,12 +116,6 @@ def _paged_attention(
 ) -> CpuAttention | None:
     """vLLM's CPU paged attention for the blender, where the layout and build allow it."""
     if not isinstance(layout, CpuLayout) or not CpuAttention.available():
-        return None
-    if model.windowed():  # sliding windows: the blender's own attention, per layer
-        logger.info(
-            "CacheBlend: the model has sliding-window layers; the blend attends with the "
-            "op registry's attention (windows applied per layer)"
-        )
         return None
     if int(caches[0].shape[2]) != int(vllm_config.cache_config.block_size):
         return None

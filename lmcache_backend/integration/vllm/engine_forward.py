@@ -148,10 +148,13 @@ class _SelectedAttention(_CacheWritingStandIn):
         keys: torch.Tensor,
         values: torch.Tensor,
         positions: torch.Tensor,
+        window: int | None = None,
     ) -> None:
         super().__init__(backend)
         self.kernel = kernel
         self.keys, self.values, self.positions = keys, values, positions
+        # the layer's sliding window, applied by the kernel (None: plain causal)
+        self.window = {} if window is None else {"window": window}
 
     def forward(
         self,
@@ -170,7 +173,7 @@ class _SelectedAttention(_CacheWritingStandIn):
         self.keys[rows] = key[:n].reshape(n, kv_heads, dim).to(self.keys.dtype)
         self.values[rows] = value[:n].reshape(n, kv_heads, dim).to(self.values.dtype)
         q = query[:n].reshape(n, -1, dim)
-        out = self.kernel(q, self.keys, self.values, rows, float(self.backend.scale))
+        out = self.kernel(q, self.keys, self.values, rows, float(self.backend.scale), **self.window)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
 
@@ -186,6 +189,8 @@ class EngineForward:
         tiled_attention: the blend's tiled kernel for the selected queries' attention (used
             when the caller passes the request's contiguous K/V; the worker checked that it
             runs on this model and cache); None: vLLM's kernel.
+        windows: each layer's sliding window (None: none). A model with one runs only with
+            ``tiled_attention`` and the request's K/V: the kernel applies the windows.
     """
 
     def __init__(
@@ -195,11 +200,15 @@ class EngineForward:
         layer_names: list[str],
         attention: CpuAttention,
         tiled_attention: SelectedQueriesAttention | None = None,
+        windows: list[int | None] | None = None,
     ) -> None:
         self.model, self.vllm_config = model, vllm_config
         self.layer_names = list(layer_names)
         self.attention = attention
         self.tiled_attention = tiled_attention
+        self.windows = list(windows) if windows else [None] * len(self.layer_names)
+        if any(w is not None for w in self.windows) and tiled_attention is None:
+            raise ValueError("EngineForward: sliding-window layers need the tiled kernel")
         # the most tokens vLLM's compiled graph is built for in one pass (its compile ranges stop
         # there); more run as consecutive chunks, exact as chunked prefill is: a later chunk's
         # queries read the earlier chunks' rows, already written in every layer
@@ -330,6 +339,8 @@ class EngineForward:
         )
         last = len(self.layer_names) - 1
         tiled = self.tiled_attention is not None and kv is not None
+        if not tiled and any(w is not None for w in self.windows):
+            raise ValueError("EngineForward: a windowed model's pass needs the request's K/V")
         rows = positions.to(torch.int64).cpu() if tiled else None
 
         def stand_in(index: int, backend: Any) -> Any:
@@ -338,7 +349,12 @@ class EngineForward:
             if tiled:
                 keys, values = kv
                 return _SelectedAttention(
-                    backend, self.tiled_attention, keys[index], values[index], rows
+                    backend,
+                    self.tiled_attention,
+                    keys[index],
+                    values[index],
+                    rows,
+                    self.windows[index],
                 )
             return backend
 

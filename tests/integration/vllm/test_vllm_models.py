@@ -2,7 +2,8 @@
 
 Tiny random-weight Qwen3, Qwen2, Mistral, Llama-3.1-style (``llama3`` RoPE scaling), YaRN-scaled
 Qwen3 and Gemma 3 models (``tests/tiny_models.py``; Gemma 3: a 16-token sliding window under
-prompts of a few hundred tokens, two RoPE bases) are served in turn by one child process, in fp32,
+prompts of a few hundred tokens, two RoPE bases) are served in turn by one child process, in fp32
+(Gemma 3 also in bf16, where the tiled kernel applies its windows in vLLM's forward pass),
 through ``lmcache_backend.commands.verify.verify_vllm``: ratio 1.0 must reproduce the same
 engine's first-token log-probabilities and greedy tokens with the request opted out, the
 reordered chunks must be claimed and blended at the default ratio (stats file), and re-rotated
@@ -53,6 +54,19 @@ SCRIPT = textwrap.dedent(
             print(format_checks(name, checks), flush=True)
             emit(name=name, passed=checks_passed(checks), seconds=time.time() - started,
                  checks=[c.__dict__ for c in checks], prompts=details["prompts"])
+        # Gemma 3 in bf16: the tiled kernel and vLLM's forward pass run the selected tokens,
+        # the kernel applying each layer's window; then the same with the windows dropped.
+        checks, _ = verify_vllm(f"{root}/gemma3", "bfloat16", count=2, max_tokens=8, llm_kwargs=uni)
+        emit(name="gemma3_bf16", checks=[c.__dict__ for c in checks])
+        import lmcache_backend.integration.vllm.engine_forward as engine_forward
+        keep_window = engine_forward._SelectedAttention.__init__
+        def drop_window(self, *args, **kwargs):
+            keep_window(self, *args, **kwargs)
+            self.window = {}
+        engine_forward._SelectedAttention.__init__ = drop_window
+        checks, _ = verify_vllm(f"{root}/gemma3", "bfloat16", count=2, max_tokens=8, llm_kwargs=uni)
+        emit(name="gemma3_bf16_no_window", checks=[c.__dict__ for c in checks])
+        engine_forward._SelectedAttention.__init__ = keep_window
         # A re-rotation that keeps YaRN's attention factor in its table scales keys by mscale**2.
         import lmcache_backend.models.vllm as adapter
         adapter.pure_rotation_table = lambda table: table.float()
@@ -114,6 +128,22 @@ def test_architecture_blends_exactly(results, name) -> None:
     for p in row["prompts"]:
         assert p["1"] == p["reference"], "ratio 1.0 must give the opted-out request's tokens"
     assert names["default: chunks reused"]["passed"], "the reordered chunks must be claimed"
+
+
+def _ratio_one_difference(row: dict) -> float:
+    (check,) = [c for c in row["checks"] if c["name"].startswith("ratio 1.0: max first-token")]
+    return float(check["value"])
+
+
+def test_windowed_model_in_bf16_runs_vllms_forward_with_the_windows(results) -> None:
+    """bf16 Gemma 3: the selected tokens go through vLLM's forward pass with the tiled kernel,
+    which applies each local layer's window: ratio 1.0 stays at full prefill's answer; with the
+    windows dropped from that kernel it moves away (measured 0.015 against 0.28), which also
+    shows that the pass ran through the stand-in the windows were dropped from."""
+    with_windows = results["gemma3_bf16"]
+    assert all(c["passed"] is not False for c in with_windows["checks"]), with_windows
+    assert _ratio_one_difference(with_windows) < 0.1
+    assert _ratio_one_difference(results["gemma3_bf16_no_window"]) > 0.15
 
 
 def test_wrong_rerotation_is_refused_at_start(results) -> None:
