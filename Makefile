@@ -3,7 +3,7 @@
 # make test   create .venv if needed, install, lint and run the test suite (CPU)
 # make bench  create .venv if needed, install, run the benchmarks
 # make bench-load  concurrent streaming RAG chats against one server: full prefill, vLLM's prefix
-#                  caching and CacheBlend, 1,000 requests each (hours on 2 cores)
+#                  caching and CacheBlend, 1,000 requests each (about 30 min on 2 cores)
 # make gpu-check  on a machine with an NVIDIA GPU: create .venv-gpu (vLLM VLLM_VERSION with its CUDA
 #                 torch, triton, this package), run the device tests (no skips allowed), the kernel
 #                 timings, verify per attention backend and the 8B config; append to docs/hardware.md
