@@ -158,25 +158,29 @@ def test_attention_over_key_ranges_matches_brute_force(order, window) -> None:
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_kernels_leave_a_window_to_the_reference() -> None:
-    """The CPU, Triton and NPU kernels have no sliding window: their verifiers decline a call
-    with one (the registry then runs the reference), and accept the same call without."""
+def test_which_kernels_take_a_sliding_window() -> None:
+    """The CPU and Triton kernels apply a window themselves (their verifiers accept one, and
+    decline a window that is not a whole number >= 1); the NPU kernel has none: its verifier
+    declines such a call and the registry runs the reference."""
     from lmcache_backend.backends.ascend import attention as ascend
     from lmcache_backend.backends.cpu import tiled_attention as cpu
 
     q = torch.zeros(2, 4, 32, dtype=torch.bfloat16)
     k = torch.zeros(6, 2, 32, dtype=torch.bfloat16)
     positions = torch.tensor([3, 5])
-    verifiers = [cpu.verify_attention_at_positions, ascend.verify_attention_at_positions]
+    reason = ascend.verify_attention_at_positions(q, k, k, positions, 1.0, window=4)
+    assert reason is not None and "sliding window" in reason
+    windowed = [cpu.verify_attention_at_positions]
     try:
         from lmcache_backend.backends.cuda import attention as cuda
 
-        verifiers.append(cuda.verify_attention_at_positions)
+        windowed.append(cuda.verify_attention_at_positions)
     except ImportError:  # no Triton here
         pass
-    for verify in verifiers:
-        reason = verify(q, k, k, positions, 1.0, window=4)
-        assert reason is not None and "sliding window" in reason
+    for verify in windowed:
+        assert verify(q, k, k, positions, 1.0, window=4) is None
+        assert "window" in verify(q, k, k, positions, 1.0, window=0)
+        assert "window" in verify(q, k, k, positions, 1.0, window=1.5)
     assert cpu.verify_attention_at_positions(q, k, k, positions, 1.0) is None
 
 
