@@ -2,18 +2,19 @@
 
 * vLLM's CPU paged attention (:class:`~lmcache_backend.integration.vllm.layouts.CpuAttention`):
   the selected queries attend over the request's blocks, where the blend writes every row. Only
-  on vLLM's CPU backend, for a model without a sliding window, with the engine's block size.
-
-A model with sliding-window layers (Gemma 3) gets none of the paged kernels and no engine
-forward pass: the blender attends over its own contiguous K/V with the op registry's
-``attention_at_positions(..., window=w)`` per layer, whose kernels decline windows (the torch
-reference serves them).
+  on vLLM's CPU backend, with the engine's block size.
 * the op registry's ``attention_at_positions`` where the backend serves it with a kernel of its
   own (``selected_attention``: ``auto``, ``tiled`` or ``vllm``): on CPU the tiled kernel
   (:mod:`lmcache_backend.backends.cpu.tiled_attention`), which attends over the blend's
   contiguous K/V, reading each key block once per tile of queries.
 * vLLM's own forward pass (``engine_forward``): runs a fixed selection's tokens through the
   compiled model over the paged cache.
+
+A model with sliding-window layers (Gemma 3) needs the tiled kernel on CPU, which applies each
+layer's window (in the engine forward pass too); without it, and on CUDA and Ascend, it gets
+none of the paged kernels and no engine forward pass: the blender attends over its own
+contiguous K/V with the op registry's ``attention_at_positions(..., window=w)`` per layer
+(Triton applies the window; the NPU kernel declines it and the torch reference serves it).
 
 On CUDA and Ascend (a :class:`~lmcache_backend.integration.vllm.layouts.DeviceLayout`) the
 selected queries attend over the request's blocks through the op registry's
