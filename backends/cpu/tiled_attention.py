@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from lmcache_backend.ops import register
+from lmcache_backend.ops.reference import window_reason
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +169,9 @@ def verify_attention_at_positions(
     window: int | None = None,
 ) -> str | None:
     """Why the tiled kernel cannot serve this ``attention_at_positions`` call, or None."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        return f"needs a whole number of positions as the window, got {window!r}"
-    if window is not None and window < 1:
-        return f"needs a window of at least one position, got {window}"
+    reason = window_reason(window)
+    if reason:
+        return reason
     tensors = (q, k, v)
     if any(t.device.type != "cpu" for t in (*tensors, q_positions)):
         return "not CPU tensors"

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from lmcache_backend.ops import register
+from lmcache_backend.ops.reference import window_reason
 
 from ._common import device_of, device_reason, float_dtype_reason, index_reason, interpret_mode
 
@@ -288,10 +289,9 @@ def verify_attention_at_positions(
     window: int | None = None,
 ) -> str | None:
     """Reason to leave a call to the reference, or ``None`` when the kernel serves it."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        return f"the window must be a whole number of positions, got {window!r}"
-    if window is not None and window < 1:
-        return f"the window must be at least one position, got {window}"
+    reason = window_reason(window)
+    if reason:
+        return reason
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return "q, k, v must be 3-D [N, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):

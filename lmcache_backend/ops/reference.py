@@ -222,6 +222,18 @@ def attention_at_positions(
     return out
 
 
+def window_reason(window: object) -> str | None:
+    """Why ``window`` is not a sliding window a kernel can apply (a whole number of positions,
+    at least one), or None; None itself (no window) is fine."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        return f"the window must be a whole number of positions, got {window!r}"
+    if window < 1:
+        return f"the window must be at least one position, got {window}"
+    return None
+
+
 def _query_blocks(positions: torch.Tensor, window: int | None) -> list[tuple[int, int]]:
     """``[start, stop)`` ranges of the queries at ``positions [Nq]``, at most
     :data:`_ATTENTION_QUERY_BLOCK` each; with a ``window``, a block also ends before a query

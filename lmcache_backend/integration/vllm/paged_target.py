@@ -157,11 +157,10 @@ class PagedCacheTarget(KVTarget):
                 raise RuntimeError(
                     "CacheBlend: a sliding-window layer cannot attend over streamed layers"
                 )
-            if self.kernels.tiled is not None:
-                return self.kernels.tiled(q, keys, values, positions, scale, window=window)
             from lmcache_backend.ops.reference import attention_at_positions
 
-            return attention_at_positions(q, keys, values, positions, scale, window=window)
+            attend = self.kernels.tiled or attention_at_positions
+            return attend(q, keys, values, positions, scale, window=window)
         self.paged_layers += 1
         if self.kernels.device:
             return self.layout.attention(self.caches[layer_id], q, self.block_ids, positions, scale)
