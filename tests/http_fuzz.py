@@ -146,6 +146,20 @@ def chat_cases(draw, docs: list[str], model: str) -> Case:
     return Case("chat", body, expect, labels=labels)
 
 
+def _outside_vllm_integers(value: Any) -> bool:
+    """Whether a JSON value holds an integer vLLM refuses in ``kv_transfer_params`` (its
+    ``extra_args`` take integers from -2**63 to 2**64 - 1 only: a 400 before any connector)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not -(2**63) <= value <= 2**64 - 1
+    if isinstance(value, dict):
+        return any(_outside_vllm_integers(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_outside_vllm_integers(v) for v in value)
+    return False
+
+
 @st.composite
 def token_cases(draw, vocab_size: int, model: str) -> Case:
     """A completions request whose prompt is token ids, some perhaps outside the vocabulary."""
@@ -161,6 +175,8 @@ def token_cases(draw, vocab_size: int, model: str) -> Case:
     labels = ["token ids" if valid else "token ids outside the vocabulary"]
     if params is not None and not isinstance(params, dict):  # vLLM wants an object: 400
         return Case("completions", body, "4xx", labels=labels)
+    if _outside_vllm_integers(params):
+        return Case("completions", body, "4xx", labels=[*labels, "integer out of vLLM's range"])
     return Case("completions", body, "ok" if valid else "4xx", labels=labels)
 
 
