@@ -28,6 +28,7 @@ from lmcache_backend.config_keys import (  # noqa: F401 - public names, re-expor
     CONFIG_KEYS,
     ENV_PREFIX,
     LMCACHE_KEYS_IGNORED,
+    SCORED_LAYER_CHOICES,
     SELECTION_CHOICES,
     ConfigError,
     ConfigKey,
@@ -64,6 +65,10 @@ class BlendConfig:
     # Shallow layers' cached K/V barely drift, so their reads point at tokens whose recompute
     # pays little (docs/quality.md, "Scored layers").
     blend_preview_scored_from: float = 0.0
+    # A sliding-window layer shorter than the prompt reads only the prompt's end, whatever the
+    # answer needs from the rest (docs/quality.md, "Windowed layers"): "global" scores the
+    # layers that see the whole prompt.
+    blend_preview_scored_layers: str = "global"
     blend_min_tokens: int = 256
     # Measured blends cost about their token-layer share of a full prefill plus a few percent
     # (lookup, load, write-back): 0.6 keeps every claimed request well below 1x (blend/pays.py).
@@ -138,6 +143,12 @@ class BlendConfig:
         if not (math.isfinite(share) and 0 <= share < 1):
             raise self._fail(
                 "blend_preview_scored_from", share, "must be a share of the layers in [0, 1)"
+            )
+        if self.blend_preview_scored_layers not in SCORED_LAYER_CHOICES:
+            raise self._fail(
+                "blend_preview_scored_layers",
+                self.blend_preview_scored_layers,
+                f"choose one of {', '.join(SCORED_LAYER_CHOICES)}",
             )
         if self.blend_min_tokens < 0:
             raise self._fail("blend_min_tokens", self.blend_min_tokens, "must be >= 0")

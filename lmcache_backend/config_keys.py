@@ -12,6 +12,8 @@ ENV_PREFIX = "LMCACHE_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 BACKEND_CHOICES = ("auto", "torch", "cpu", "cuda", "ascend")
 # Token selectors (lmcache_backend.blend.selection.SCORERS); kv_deviation is LMCache's.
+#: ``blend_preview_scored_layers`` values
+SCORED_LAYER_CHOICES = ("global", "all")
 SELECTION_CHOICES = (
     "kv_deviation",
     "kv_deviation_v",
@@ -160,6 +162,13 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         float,
         0.0,
         "preview selections score the reads of layers from this share of the depth on",
+    ),
+    ConfigKey(
+        "blend_preview_scored_layers",
+        str,
+        "global",
+        "preview selections score the reads of: global (the layers that see the whole "
+        "prompt, every layer where none does) or all",
     ),
     ConfigKey("blend_min_tokens", _parse_int, 256, "fewer reusable tokens -> full prefill"),
     ConfigKey(

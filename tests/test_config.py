@@ -124,6 +124,7 @@ def test_config_file_argument_beats_env_file(tmp_path) -> None:
         ({"blend_selection_span": "0"}, "blend_selection_span", "0"),
         ({"blend_selection_span": "wide"}, "blend_selection_span", "wide"),
         ({"blend_chunk_head_tokens": "-1"}, "blend_chunk_head_tokens", "-1"),
+        ({"blend_preview_scored_layers": "local"}, "blend_preview_scored_layers", "local"),
         ({"blend_preview_scored_from": "1"}, "blend_preview_scored_from", "1"),
         ({"blend_preview_scored_from": "nan"}, "blend_preview_scored_from", "nan"),
     ],

@@ -77,6 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> 
         "(LMCACHE_MAX_LOCAL_CPU_SIZE from the corpus' tokens and the model's K/V bytes per "
         "token; default: a third; 0: the server's own setting)",
     )
+    g.add_argument(
+        "--connector",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a connector key of the started server's kv_connector_extra_config (e.g. "
+        "blend_layers_per_step=0); repeatable",
+    )
     if standalone:
         parser.add_argument("--url", help="a running server (default: start one here)")
         parser.add_argument(
@@ -131,6 +139,25 @@ def store_size_gb(chunks: list[str], share: float, model: str | None = None) -> 
     return share * tokens * per_token / GB
 
 
+def connector_args(items: list[str]) -> list[str]:
+    """``--kv-transfer-config`` naming the connector with ``KEY=VALUE`` extra-config keys
+    (values read as JSON where they parse, else as text); none: no option (``serve``'s own)."""
+    if not items:
+        return []
+    from lmcache_backend.integration.vllm import kv_transfer_config
+
+    extra: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"bench: --connector {item!r}: expected KEY=VALUE")
+        try:
+            extra[key] = json.loads(value)
+        except ValueError:
+            extra[key] = value
+    return ["--kv-transfer-config", json.dumps(kv_transfer_config(**extra))]
+
+
 def _lines(path: Path | None) -> list[dict[str, Any]]:
     from lmcache_backend.bench.client_common import StatsFile
 
@@ -159,6 +186,7 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
     if args.url and not given_stats:
         print("no --stats-file: blended and reused shares are left out", file=out)
     vllm_args = SERVER_ARGS + (["--enforce-eager"] if args.eager else [])
+    vllm_args += connector_args(getattr(args, "connector", []))
     served = bench_server(args.url, given_stats, vllm_args, env, out, "lmcache-backend-load-")
     with served as (url, stats_path, server):
         result: dict[str, Any] = {

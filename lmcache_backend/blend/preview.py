@@ -26,6 +26,7 @@ from lmcache_backend.blend.selection import (
     heads_first,
     position_discount,
     query_and_last_scores,
+    scored_layers,
     span_ranked,
 )
 from lmcache_backend.ops.reference import select_topk_with_invalid, selection_count
@@ -75,7 +76,12 @@ def preview_selection(
         meta.positions.numel(),
         valid.device,
         config.blend_selection == QUERY_PREVIEW_LAST,
-        first_scored_layer(config.blend_preview_scored_from, compute.model.num_layers),
+        scored_layers(
+            [compute.model.sliding_window(layer) for layer in range(compute.model.num_layers)],
+            meta.positions.numel(),
+            first_scored_layer(config.blend_preview_scored_from, compute.model.num_layers),
+            config.blend_preview_scored_layers,
+        ),
     )
     if _engine_preview(preview, token_ids, target, compute, mass):
         yield compute.model.num_layers - 1

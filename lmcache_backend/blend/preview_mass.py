@@ -1,9 +1,11 @@
 """The attention mass a preview collects: how much the query tokens (and the last token alone)
 read each key, weighted by the key's value norm, summed over the scored layers.
 
-Layers below ``first_scored_layer`` are computed (the deeper ones need their output) but their
-reads are not scored: a shallow layer's cached K/V differ little from a fresh prefill's, so what
-it reads says little about which tokens' recomputation pays (docs/quality.md, "Scored layers")."""
+Every preview layer is computed (the deeper ones need its output), but only the ``scored``
+layers' reads count: a shallow layer's cached K/V differ little from a fresh prefill's
+(``blend_preview_scored_from``), and a sliding-window layer shorter than the prompt reads only
+its end (``blend_preview_scored_layers``), so what those read says little about which tokens'
+recomputation pays (docs/quality.md)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,14 @@ class PreviewMass:
     """
 
     def __init__(
-        self, num_tokens: int, device: torch.device, with_last: bool, first_scored_layer: int = 0
+        self,
+        num_tokens: int,
+        device: torch.device,
+        with_last: bool,
+        scored: list[bool] | None = None,
     ) -> None:
-        self.first_scored_layer = first_scored_layer
+        #: per layer, whether its reads count (None: every layer's)
+        self.scored = scored
         self.query = torch.zeros(num_tokens, dtype=torch.float32, device=device)
         self.last = torch.zeros_like(self.query) if with_last else None
         self.hidden: torch.Tensor | None = None
@@ -43,7 +50,7 @@ class PreviewMass:
         """Preview layer ``layer``'s attention ``[N, Hq, D]`` of the active tokens' ``q [N, Hq, D]``
         over the layer's blended ``keys``/``values`` ``[T, Hkv, D]``; adds the mass the query
         tokens (and the last token alone) give each key, weighted by its value norm. ``window``:
-        the layer's sliding window, if it has one. A layer below ``first_scored_layer`` adds
+        the layer's sliding window, if it has one. A layer that is not ``scored`` adds
         nothing."""
         rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
         positions = meta.positions[meta.active]
@@ -54,7 +61,7 @@ class PreviewMass:
         if bool(self.hidden.any()):
             kw["hidden"] = self.hidden
         attn, mass, last = attention_with_query_mass(q, keys, values, positions, scale, rows, **kw)
-        if layer < self.first_scored_layer:
+        if self.scored is not None and not self.scored[layer]:
             return attn
         norms = value_norms(values)
         if "hidden" in kw:

@@ -41,7 +41,9 @@ Two settings of the preview selections, off by default (they help Gemma 3 and co
 docs/quality.md): ``blend_chunk_head_tokens`` ``k`` recomputes the first ``k`` tokens of every
 reused chunk before the best-scored ones (:func:`chunk_heads`, :func:`heads_first`), and
 ``blend_preview_scored_from`` ``s`` scores only the reads of layers from ``s`` of the depth on
-(:func:`first_scored_layer`).
+(:func:`first_scored_layer`). On a model with sliding-window layers the preview scores only the
+layers that see the whole prompt (``blend_preview_scored_layers="global"``, the default,
+:func:`scored_layers`): a window shorter than the prompt reads only its end.
 
 With ``blend_selection_span`` ``s > 1`` the preview selections rank aligned spans of ``s``
 tokens by their summed score and recompute the best spans whole (:func:`span_ranked`): the same
@@ -55,7 +57,7 @@ tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -313,3 +315,21 @@ def heads_first(scores: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
 def first_scored_layer(share: float, num_layers: int) -> int:
     """The first layer whose reads the preview scores: ``share`` of the model's depth."""
     return min(int(share * num_layers), num_layers - 1)
+
+
+def scored_layers(
+    windows: Sequence[int | None], num_tokens: int, first: int, which: str
+) -> list[bool]:
+    """Per layer, whether the preview scores its reads: from layer ``first`` on and, with
+    ``which="global"``, only the layers that attend over the whole ``num_tokens``-token prompt
+    (no sliding window, or one at least that long), unless none of those does; ``"all"``:
+    every layer from ``first`` on.
+
+    Args:
+        windows: each layer's sliding window (None: none).
+    """
+    from_first = [layer >= first for layer in range(len(windows))]
+    if which == "all":
+        return from_first
+    whole = [f and (w is None or w >= num_tokens) for f, w in zip(from_first, windows)]
+    return whole if any(whole) else from_first

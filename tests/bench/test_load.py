@@ -243,6 +243,19 @@ def test_a_run_against_a_url_writes_json_and_plots(fake_server, tmp_path, capsys
     assert sum("kv_transfer_params" in b for b in _FakeOpenAI.bodies) == 1 + 5
 
 
+def test_connector_keys_become_the_servers_kv_transfer_config() -> None:
+    assert load.connector_args([]) == []
+    flag, value = load.connector_args(["blend_layers_per_step=0", "selected_attention=vllm"])
+    config = json.loads(value)
+    assert flag == "--kv-transfer-config" and config["kv_connector"] == "CacheBlendConnector"
+    assert config["kv_connector_extra_config"] == {
+        "blend_layers_per_step": 0,
+        "selected_attention": "vllm",
+    }
+    with pytest.raises(SystemExit, match="blend_layers_per_step"):
+        load.connector_args(["blend_layers_per_step"])
+
+
 def test_the_cached_phase_sends_one_prompt_every_time_opted_out(fake_server, tmp_path) -> None:
     parser = argparse.ArgumentParser()
     load.add_arguments(parser, standalone=True)

@@ -356,6 +356,20 @@ def test_chunk_head_tokens_are_recomputed_first(llama, monkeypatch) -> None:
     assert len(result.recomputed) == count + len(query)
 
 
+def test_scored_layers_keep_the_layers_that_see_the_whole_prompt() -> None:
+    from lmcache_backend.blend.selection import scored_layers
+
+    gemma = [512] * 5 + [None] + [512] * 5 + [None]  # two of Gemma 3's six-layer groups
+    assert scored_layers(gemma, 1000, 0, "global") == [w is None for w in gemma]
+    assert scored_layers(gemma, 1000, 6, "global") == [i == 11 for i in range(12)]
+    assert scored_layers(gemma, 1000, 0, "all") == [True] * 12
+    assert scored_layers(gemma, 1000, 6, "all") == [i >= 6 for i in range(12)]
+    assert scored_layers(gemma, 512, 0, "global") == [True] * 12  # the windows cover it
+    mistral = [4096] * 4  # every layer windowed: all of them, whatever the prompt
+    assert scored_layers(mistral, 8000, 1, "global") == [False, True, True, True]
+    assert scored_layers([None] * 3, 8000, 0, "global") == [True] * 3
+
+
 def test_preview_scores_only_the_layers_from_the_set_share(llama, monkeypatch) -> None:
     """``blend_preview_scored_from=0.5``: the reads of the first half of the layers do not count.
     Shallow layers read tokens 40 and 41 far more than deep layers read 90 and 100; scoring

@@ -277,3 +277,33 @@ def test_bench_prefix_caching_keeps_every_row_of_the_windowed_layers(gemma) -> N
         assert run.state.keys[layer].shape == full.keys[layer].shape, layer
         assert_close(run.state.keys[layer], full.keys[layer], torch.float32)
         assert_close(run.state.values[layer], full.values[layer], torch.float32)
+
+
+def test_preview_scores_only_the_layers_that_see_the_whole_prompt(gemma, monkeypatch) -> None:
+    """``blend_preview_scored_layers="global"`` (the default): a sliding-window layer shorter
+    than the prompt reads only its end, so its reads do not count. The windowed layers read
+    tokens 40 and 41 far more than the global layers read 90 and 100: scoring every layer
+    recomputes the first pair, the default the second."""
+    import lmcache_backend.blend.preview_mass as preview_mass
+
+    real = preview_mass.attention_with_query_mass
+
+    def fake(q, k, v, positions, scale, rows, **kw):
+        out, _, last = real(q, k, v, positions, scale, rows, **kw)
+        mass = torch.zeros(k.shape[0])
+        windowed = "window" in kw
+        mass[[40, 41] if windowed else [90, 100]] = 100.0 if windowed else 1.0
+        return out, mass, torch.zeros_like(last)
+
+    monkeypatch.setattr(preview_mass, "attention_with_query_mass", fake)
+    tokens = rag_prompt(SYS, C3, C1, C2, Q2)
+    assert len(tokens) > GEMMA3_WINDOW
+    chosen = {}
+    for which in ("global", "all"):
+        blender, cache = setup_blender(gemma, ratios=(0.02,), selection="query_preview")
+        warm_store(gemma, cache, rag_prompt(SYS, C1, C2, C3, Q1))
+        config = blender.config.replace(blend_preview_scored_layers=which)
+        result = blender.blend(tokens, config=config)
+        chosen[which] = set(result.recomputed.tolist()) & {40, 41, 90, 100}
+    assert chosen["global"] == {90, 100}
+    assert chosen["all"] == {40, 41}
