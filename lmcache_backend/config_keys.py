@@ -11,9 +11,9 @@ from typing import Any
 ENV_PREFIX = "LMCACHE_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 BACKEND_CHOICES = ("auto", "torch", "cpu", "cuda", "ascend")
-# Token selectors (lmcache_backend.blend.selection.SCORERS); kv_deviation is LMCache's.
 #: ``blend_preview_scored_layers`` values
 SCORED_LAYER_CHOICES = ("global", "all")
+# Token selectors (lmcache_backend.blend.selection.SCORERS); kv_deviation is LMCache's.
 SELECTION_CHOICES = (
     "kv_deviation",
     "kv_deviation_v",

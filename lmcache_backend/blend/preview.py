@@ -77,7 +77,7 @@ def preview_selection(
         valid.device,
         config.blend_selection == QUERY_PREVIEW_LAST,
         scored_layers(
-            [compute.model.sliding_window(layer) for layer in range(compute.model.num_layers)],
+            compute.model.layer_windows(),
             meta.positions.numel(),
             first_scored_layer(config.blend_preview_scored_from, compute.model.num_layers),
             config.blend_preview_scored_layers,

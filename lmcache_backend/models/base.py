@@ -100,11 +100,15 @@ class ModelAdapter(ABC):
         ``p - window + 1 .. p`` (``window`` keys, itself included); None: keys ``0..p``."""
         return None
 
+    def layer_windows(self) -> list[int | None]:
+        """Every layer's :meth:`sliding_window`, in layer order."""
+        return [self.sliding_window(layer) for layer in range(self.num_layers)]
+
     def windowed(self) -> bool:
         """Whether attention is not plain causal attention over the whole prompt: some layer
         has a sliding window, or prompts longer than ``max_exact_tokens`` are not reproduced."""
         return self.max_exact_tokens is not None or any(
-            self.sliding_window(layer) is not None for layer in range(self.num_layers)
+            window is not None for window in self.layer_windows()
         )
 
     def rotation_table(self, layer: int) -> torch.Tensor:
