@@ -7,6 +7,9 @@
 # make gpu-check  on a machine with an NVIDIA GPU: create .venv-gpu (vLLM VLLM_VERSION with its CUDA
 #                 torch, triton, this package), run the device tests (no skips allowed), the kernel
 #                 timings, verify per attention backend and the 8B config; append to docs/hardware.md
+# make gpu-check-offline  on an NVIDIA GPU machine that has torch, triton and transformers but no
+#                 vLLM and no network: the package installed in place into that Python, then
+#                 every step that needs no engine (the steps that start vLLM say so in the table)
 # make npu-check  the same on an Ascend NPU in .venv-npu (vllm-ascend, the vLLM it pins, torch-npu);
 #                 CANN must be installed and sourced first (docs/ascend.md)
 
@@ -18,7 +21,8 @@ STAMP := $(VENV)/.lmcache-backend-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test bench bench-load lint install clean gpu-check npu-check hardware-dry-run
+.PHONY: demo test bench bench-load lint install clean gpu-check gpu-check-offline npu-check \
+	hardware-dry-run
 
 # The newest vLLM release with a code path here (lmcache_backend/compat/vllm.py); another one:
 # make gpu-check VLLM_VERSION=0.28.0
@@ -104,6 +108,11 @@ $(NPU_STAMP): setup.py pyproject.toml
 # About 30-45 min on one GPU (estimated: not run yet), most of it vLLM starting 12 engines.
 gpu-check: $(GPU_STAMP)
 	$(GPU_PY) -m lmcache_backend hardware-check --device cuda --workers 8 --out $(HARDWARE_OUT)
+
+# About 5 min on one H100 (measured): device tests ~2 min, kernels and the 8B-shaped blend ~2.5.
+gpu-check-offline:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PYTHON) -m lmcache_backend hardware-check --device cuda --workers 14 --out $(HARDWARE_OUT)
 
 npu-check: $(NPU_STAMP)
 	$(NPU_PY) -m lmcache_backend hardware-check --device npu --out $(HARDWARE_OUT)

@@ -153,7 +153,11 @@ _PERMUTE = re.compile(r"kv_cache\.permute\(\*stride_order\)$")
 
 
 def backend_rows(
-    recorded: Recorded, cache: torch.Tensor, head_dim: int, blocks: list[int], offsets: list[int]
+    recorded: Recorded,
+    cache: torch.Tensor,
+    head_dim: int,
+    blocks: list[int] | torch.Tensor,
+    offsets: list[int] | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, H, D]`` K and V at ``(block, offset)`` pairs, read as the backend reads them.
 
@@ -162,32 +166,28 @@ def backend_rows(
     ``kv_cache.permute(*stride_order)`` to FlashInfer, whose paged layout is
     ``[pages, 2, page_size, H, D]`` for NHD and ``[pages, 2, H, page_size, D]`` for HND.
     (Lines naming ``padded_hs`` or splitting by ``num_kv_heads`` read quantized caches.)
+    The pairs are indexed as two index tensors, one gather per call.
     """
     scope = {
         "kv_cache": cache,
         "self": SimpleNamespace(head_size=head_dim),
         "stride_order": recorded.tensor["stride_order"],
     }
+    b = torch.as_tensor(blocks, dtype=torch.long, device=cache.device)
+    o = torch.as_tensor(offsets, dtype=torch.long, device=cache.device)
     for code in recorded.kv_read:
         match = _PAIR_READ.match(code)
         if match:
             exec(f"_k, _v = kv_cache.{match.group(3)}", {"__builtins__": {}}, scope)
-            k_cache, v_cache = scope["_k"], scope["_v"]
-            rows = [(k_cache[b, o], v_cache[b, o]) for b, o in zip(blocks, offsets)]
-            return _stack(rows)
+            return scope["_k"][b, o], scope["_v"][b, o]
     for code in recorded.kv_read:
         if _PERMUTE.search(code):
             paged = eval("kv_cache.permute(*stride_order)", {"__builtins__": {}}, scope)
             if recorded.layout == "HND":
-                rows = [(paged[b, 0, :, o], paged[b, 1, :, o]) for b, o in zip(blocks, offsets)]
-            else:
-                rows = [(paged[b, 0, o], paged[b, 1, o]) for b, o in zip(blocks, offsets)]
-            return _stack(rows)
+                # a slice between the two index tensors: the indexed dim comes first, [T, H, D]
+                return paged[b, 0, :, o], paged[b, 1, :, o]
+            return paged[b, 0, o], paged[b, 1, o]
     raise AssertionError(f"{recorded.id}: no kv_read line this test can evaluate")
-
-
-def _stack(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.stack([k for k, _ in rows]), torch.stack([v for _, v in rows])
 
 
 def ascend_pair(data: dict[str, Any], geometry: Geometry) -> tuple | list:

@@ -8,9 +8,16 @@ walk stops at the largest position of the tile, so key tiles past every query ar
 Grouped-query attention: the query heads that share one KV head are packed into the rows of the
 same tile (row ``r`` is query ``r // G``, head ``kv_head * G + r % G``), so each K/V tile is loaded
 once for the whole group, and a group of 3 wastes nothing on padding.
+
+How a launch is tiled is an :class:`AttentionTiling`: the tile sizes, and three choices measured
+on Hopper (``docs/measurements/h100-kernels.md``): the key tiles every row of the tile sees
+walked without the mask (``split``), the tiles with the most keys started first
+(``heavy_first``), and K/V tiles loaded by the tensor memory accelerator (``tma``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -35,12 +42,21 @@ def _query_rows(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
-    """This program's tile of query rows (grid: query tiles x KV heads): the rows of the query
-    heads sharing one KV head, packed (row ``r`` is query ``r // group``, head
-    ``kv_head * group + r % group``). Returns ``(kv_head, row_mask, q_idx, q_head, pos, q)``."""
-    kv_head = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """This program's tile of query rows: the rows of the query heads sharing one KV head,
+    packed (row ``r`` is query ``r // group``, head ``kv_head * group + r % group``). The grid
+    is query tiles x KV heads, or with ``HEAVY_FIRST`` KV heads x query tiles walked from the
+    last: the GPU starts programs in grid order, and with sorted positions the last tiles read
+    the most keys, so every head's longest tiles start first and the short ones fill the tail.
+    Returns ``(kv_head, row_mask, q_idx, q_head, pos, q)``."""
+    if HEAVY_FIRST:
+        kv_head = tl.program_id(0)
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        kv_head = tl.program_id(1)
+        tile = tl.program_id(0)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < num_q * group
     q_idx = (rows // group).to(tl.int64)
     q_head = (kv_head * group + rows % group).to(tl.int64)
@@ -71,19 +87,24 @@ def _attend_key_tile(
     window,
     DOT_FP32: tl.constexpr,
     WINDOWED: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     """One key tile of the online softmax: ``k [D, BLOCK_N]`` and ``v [BLOCK_N, Dv]`` of the
     key indices ``keys [BLOCK_N]``, for the query rows at ``pos [BLOCK_M]`` (a row sees the keys
-    at or before its position; ``WINDOWED``: only the last ``window`` of them). Returns the
-    running max, sum and accumulator, updated."""
+    at or before its position; ``WINDOWED``: only the last ``window`` of them; not ``MASKED``:
+    the caller knows every row sees every key of the tile). Returns the running max, sum and
+    accumulator, updated."""
     if DOT_FP32:
         qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
     else:
         qk = tl.dot(q, k.to(q.dtype))
-    visible = keys[None, :] <= pos[:, None]
-    if WINDOWED:
-        visible = visible & (keys[None, :] > pos[:, None] - window)
-    s = tl.where(visible, qk * qk_scale_log2, float("-inf"))
+    if MASKED:
+        visible = keys[None, :] <= pos[:, None]
+        if WINDOWED:
+            visible = visible & (keys[None, :] > pos[:, None] - window)
+        s = tl.where(visible, qk * qk_scale_log2, float("-inf"))
+    else:
+        s = qk * qk_scale_log2
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     shift = m_new
     if WINDOWED:
@@ -117,10 +138,60 @@ def _store_rows(
 
 
 @triton.jit
+def _seen_by_every_row(pos, row_mask, key_end, BLOCK_N: tl.constexpr):
+    """The end of the key tiles that every row of the tile sees (whole tiles at or before the
+    smallest position): they need no mask. Padding rows take the tile's last position."""
+    smallest = tl.min(tl.where(row_mask, pos, key_end - 1), axis=0)
+    return (smallest + 1) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def _contiguous_kv_tile(
+    k_base,
+    v_base,
+    k_desc,
+    v_desc,
+    start,
+    kv_head,
+    key_end,
+    stride_kn,
+    stride_vn,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_KEYS: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """Key indices ``[BLOCK_N]``, ``k [D, BLOCK_N]`` and ``v [BLOCK_N, Dv]`` of the tile at
+    ``start``. ``TMA``: one tensor-memory-accelerator copy each (rows past the tensor read as
+    zero); else pointer loads, masked at ``key_end`` when ``MASK_KEYS``."""
+    keys = start + tl.arange(0, BLOCK_N)
+    if TMA:
+        k = tl.trans(k_desc.load([start, kv_head * HEAD_DIM]))
+        v = v_desc.load([start, kv_head * HEAD_DIM_V])
+    else:
+        dk = tl.arange(0, HEAD_DIM)
+        dv = tl.arange(0, HEAD_DIM_V)
+        keys64 = keys.to(tl.int64)
+        k_ptrs = k_base + keys64[None, :] * stride_kn + dk[:, None]
+        v_ptrs = v_base + keys64[:, None] * stride_vn + dv[None, :]
+        if MASK_KEYS:
+            key_mask = keys < key_end
+            k = tl.load(k_ptrs, mask=key_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+    return keys, k, v
+
+
+@triton.jit
 def _attention_at_positions_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_desc,
+    v_desc,
     pos_ptr,
     out_ptr,
     num_q,
@@ -142,12 +213,13 @@ def _attention_at_positions_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     kv_head, row_mask, q_idx, q_head, pos, q = _query_rows(
-        q_ptr, pos_ptr, num_q, group, stride_qn, stride_qh, HEAD_DIM, BLOCK_M, DOT_FP32
+        q_ptr, pos_ptr, num_q, group, stride_qn, stride_qh, HEAD_DIM, BLOCK_M, DOT_FP32, HEAVY_FIRST
     )
-    dk = tl.arange(0, HEAD_DIM)
-    dv = tl.arange(0, HEAD_DIM_V)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
@@ -162,16 +234,22 @@ def _attention_at_positions_kernel(
         key_start = tl.maximum(tl.min(pos, axis=0) - window + 1, 0) // BLOCK_N * BLOCK_N
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    if SPLIT and not WINDOWED:
+        # the tiles every row sees, without a mask; then the diagonal ones, masked
+        key_start = _seen_by_every_row(pos, row_mask, key_end, BLOCK_N)
+        for start in range(0, key_start, BLOCK_N):
+            keys, k, v = _contiguous_kv_tile(
+                k_base, v_base, k_desc, v_desc, start, kv_head, key_end, stride_kn, stride_vn,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, TMA,
+            )  # fmt: skip
+            m_i, l_i, acc = _attend_key_tile(
+                q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, window, DOT_FP32, False, False
+            )
     for start in range(key_start, key_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_mask = keys < key_end
-        keys64 = keys.to(tl.int64)
-        k = tl.load(
-            k_base + keys64[None, :] * stride_kn + dk[:, None], mask=key_mask[None, :], other=0.0
-        )
-        v = tl.load(
-            v_base + keys64[:, None] * stride_vn + dv[None, :], mask=key_mask[:, None], other=0.0
-        )
+        keys, k, v = _contiguous_kv_tile(
+            k_base, v_base, k_desc, v_desc, start, kv_head, key_end, stride_kn, stride_vn,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, TMA,
+        )  # fmt: skip
         m_i, l_i, acc = _attend_key_tile(
             q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, window, DOT_FP32, WINDOWED
         )
@@ -183,17 +261,102 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch_config(head_dim: int, head_dim_v: int, fp32: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` that fit one program's registers and shared
-    memory: 64 x 64 tiles are the usual flash-attention choice for 16-bit head dims up to 128;
-    fp32 or 256-wide heads take 32 x 32 tiles and two pipeline stages. fp32 with 256-wide heads
-    takes one stage: two already need 100 KB of shared memory, over the 99 KB of sm_86/sm_89."""
+@dataclass(frozen=True)
+class AttentionTiling:
+    """How one launch of the attention kernels is tiled.
+
+    Attributes:
+        block_m, block_n: query rows and keys per tile.
+        num_warps, num_stages: Triton's launch options.
+        split: walk the key tiles every row sees without the causal mask, then the rest masked.
+        heavy_first: start the query tiles with the most keys first (see ``_query_rows``).
+        tma: load K/V tiles with the tensor memory accelerator (contiguous kernel, Hopper and
+            later; taken only where the tensors allow it, see :func:`_tma_descriptors`).
+        prefetch: read the next tile's block numbers one tile ahead (paged kernel).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split: bool = False
+    heavy_first: bool = False
+    tma: bool = False
+    prefetch: bool = False
+
+
+#: keys above which the 16-bit contiguous kernel takes 128-row tiles (see :func:`default_tiling`)
+_LONG_PROMPT_KEYS = 16384
+
+
+def default_tiling(head_dim: int, head_dim_v: int, fp32: bool, num_k: int = 0) -> AttentionTiling:
+    """The contiguous kernel's tiling for these head dims, dtype and key count.
+
+    16-bit head dims up to 128, measured on an H100 (``docs/measurements/h100-kernels.md``,
+    32/8 heads of 128, 15% of the positions as queries): 64 x 64 tiles, 4 warps, 3 stages up to
+    16k keys (0.174 ms at 8k, 3.6x masked SDPA), 128 x 64 tiles with 8 warps above (2.82 ms at
+    32k, 3.0x), each with the mask-free walk, the longest tiles first and TMA loads (Hopper
+    and later; pointer loads elsewhere). fp32 or 256-wide heads take 32 x 32 tiles and two
+    pipeline stages to fit one program's registers and shared memory; fp32 with 256-wide heads
+    one stage (two already need 100 KB of shared memory, over the 99 KB of sm_86/sm_89).
+    """
     widest = max(head_dim, head_dim_v)
     if fp32 and widest >= 256:
-        return 32, 32, 4, 1
+        return AttentionTiling(32, 32, 4, 1, split=True, heavy_first=True)
     if fp32 or widest >= 256:
-        return 32, 32, 4, 2
-    return 64, 64, 4, 3
+        return AttentionTiling(32, 32, 4, 2, split=True, heavy_first=True)
+    if num_k > _LONG_PROMPT_KEYS:
+        return AttentionTiling(128, 64, 8, 3, split=True, heavy_first=True, tma=True)
+    return AttentionTiling(64, 64, 4, 3, split=True, heavy_first=True, tma=True)
+
+
+def default_paged_tiling(head_dim: int, head_dim_v: int, fp32: bool) -> AttentionTiling:
+    """The paged kernel's tiling: for 16-bit head dims up to 128, 128 x 64 tiles with 8 warps,
+    the mask-free walk, the longest tiles first and the block numbers read a tile ahead (the
+    fastest on an H100 at 8k and 32k keys: 0.264 and 3.42 ms); else the contiguous kernel's
+    tiles (it has no TMA: its keys are found through the block table)."""
+    if fp32 or max(head_dim, head_dim_v) >= 256:
+        return replace(default_tiling(head_dim, head_dim_v, fp32), tma=False)
+    return AttentionTiling(128, 64, 8, 3, split=True, heavy_first=True, prefetch=True)
+
+
+#: CUDA's limit on a grid's second dimension (the first allows 2**31 - 1)
+_MAX_GRID_Y = 65535
+
+
+def fit_grid(
+    tiling: AttentionTiling, rows: int, num_kv_heads: int
+) -> tuple[AttentionTiling, tuple[int, int]]:
+    """The grid of query tiles and KV heads, in ``tiling``'s order; ``heavy_first`` is dropped
+    where the tiles would overflow the grid's second dimension."""
+    tiles = triton.cdiv(rows, tiling.block_m)
+    if tiling.heavy_first and tiles > _MAX_GRID_Y:
+        tiling = replace(tiling, heavy_first=False)
+    return tiling, ((num_kv_heads, tiles) if tiling.heavy_first else (tiles, num_kv_heads))
+
+
+def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, tiling: AttentionTiling):
+    """``(k_desc, v_desc)`` over ``[Nk, Hkv * D]`` views of K and V, or ``(None, None)`` where
+    the tensor memory accelerator cannot take them: a GPU before Hopper, rows that are not
+    ``[Hkv, D]`` dense, or strides and bases off 16-byte alignment."""
+    if not tiling.tma or (
+        k.device.type == "cuda" and torch.cuda.get_device_capability(k.device)[0] < 9
+    ):
+        return None, None
+    descriptors = []
+    for t in (k, v):
+        n, h, d = t.shape
+        if t.stride(1) != d or t.stride(2) != 1:
+            return None, None
+        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return None, None
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        flat = t.as_strided((n, h * d), (t.stride(0), 1))
+        descriptors.append(
+            TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [tiling.block_n, d])
+        )
+    return tuple(descriptors)
 
 
 def attention_at_positions(
@@ -205,6 +368,7 @@ def attention_at_positions(
     *,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    tiling: AttentionTiling | None = None,
 ) -> torch.Tensor:
     """Attention of selected queries over all keys with the exact per-position causal mask.
 
@@ -219,6 +383,8 @@ def attention_at_positions(
             contiguous last dim).
         window: a sliding window (keyword only): the query at ``p`` attends keys
             ``p - window + 1 .. p``; a program reads only the key tiles its rows' windows touch.
+        tiling: how to tile the launch (keyword only; benchmarks): default
+            :func:`default_tiling` for the key count.
 
     Returns:
         ``[Nq, Hq, Dv]`` in ``q.dtype`` (``out`` when given): a query at position ``p`` attends
@@ -240,13 +406,16 @@ def attention_at_positions(
     # Triton's interpreter multiplies the raw bits of bf16 dot operands (triton-lang/triton
     # issue 11584), so there bf16 tiles are widened to fp32 before each dot.
     dot_fp32 = fp32 or (interpret_mode() and q.dtype == torch.bfloat16)
-    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, head_dim_v, fp32)
-    grid = (triton.cdiv(num_q * group, block_m), num_kv_heads)
+    tiling = tiling or default_tiling(head_dim, head_dim_v, fp32, num_k)
+    k_desc, v_desc = _tma_descriptors(k, v, tiling)
+    tiling, grid = fit_grid(replace(tiling, tma=k_desc is not None), num_q * group, num_kv_heads)
     with device_of(q):
         _attention_at_positions_kernel[grid](
             q,
             k,
             v,
+            k_desc,
+            v_desc,
             positions,
             out,
             num_q,
@@ -264,12 +433,15 @@ def attention_at_positions(
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_V=head_dim_v,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
+            BLOCK_M=tiling.block_m,
+            BLOCK_N=tiling.block_n,
             DOT_FP32=dot_fp32,
             WINDOWED=window is not None,
-            num_warps=num_warps,
-            num_stages=num_stages,
+            SPLIT=tiling.split,
+            HEAVY_FIRST=tiling.heavy_first,
+            TMA=tiling.tma,
+            num_warps=tiling.num_warps,
+            num_stages=tiling.num_stages,
         )
     return out
 

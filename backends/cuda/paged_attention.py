@@ -20,12 +20,63 @@ from lmcache_backend.ops import register
 from ._common import device_of, index_reason, interpret_mode
 from .attention import (
     _LOG2E,
+    AttentionTiling,
     _attend_key_tile,
-    _launch_config,
     _query_rows,
+    _seen_by_every_row,
     _store_rows,
+    default_paged_tiling,
+    fit_grid,
     verify_attention_at_positions,
 )
+
+
+@triton.jit
+def _paged_kv_tile(
+    k_base,
+    v_base,
+    table_ptr,
+    block,
+    start,
+    key_end,
+    stride_kb,
+    stride_ko,
+    stride_vb,
+    stride_vo,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASK_KEYS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """Key indices ``[BLOCK_N]``, ``k [D, BLOCK_N]``, ``v [BLOCK_N, Dv]`` of the tile at
+    ``start`` and the block numbers of the tile after it (``PREFETCH``; else ``block``
+    unchanged). Key ``t`` is row ``t % BLOCK_SIZE`` of block ``block_table[t // BLOCK_SIZE]``;
+    a constant block size turns both into shifts (on an H200 the kernel took 17-23% less time
+    than with the block size as an argument). ``PREFETCH``: ``block`` already holds this tile's
+    block numbers, read one tile ahead, so the K/V loads need not wait for the table."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_mask = keys < key_end
+    if PREFETCH:
+        this_block = block
+        after = keys + BLOCK_N
+        block = tl.load(table_ptr + after // BLOCK_SIZE, mask=after < key_end, other=0)
+    else:
+        this_block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0)
+    this_block = this_block.to(tl.int64)
+    offset = (keys % BLOCK_SIZE).to(tl.int64)
+    k_rows = this_block * stride_kb + offset * stride_ko
+    v_rows = this_block * stride_vb + offset * stride_vo
+    dk = tl.arange(0, HEAD_DIM)
+    dv = tl.arange(0, HEAD_DIM_V)
+    if MASK_KEYS:
+        k = tl.load(k_base + k_rows[None, :] + dk[:, None], mask=key_mask[None, :], other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_base + k_rows[None, :] + dk[:, None])
+        v = tl.load(v_base + v_rows[:, None] + dv[None, :])
+    return keys, k, v, block
 
 
 @triton.jit
@@ -55,12 +106,13 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     kv_head, row_mask, q_idx, q_head, pos, q = _query_rows(
-        q_ptr, pos_ptr, num_q, group, stride_qn, stride_qh, HEAD_DIM, BLOCK_M, DOT_FP32
+        q_ptr, pos_ptr, num_q, group, stride_qn, stride_qh, HEAD_DIM, BLOCK_M, DOT_FP32, HEAVY_FIRST
     )
-    dk = tl.arange(0, HEAD_DIM)
-    dv = tl.arange(0, HEAD_DIM_V)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
@@ -68,18 +120,25 @@ def _paged_attention_kernel(
     key_end = tl.max(pos, axis=0) + 1
     k_base = kc_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = vc_ptr + kv_head.to(tl.int64) * stride_vh
-    for start in range(0, key_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_mask = keys < key_end
-        # key t is row t % BLOCK_SIZE of block block_table[t // BLOCK_SIZE]; a constant block
-        # size turns both into shifts (on an H200 the kernel took 17-23% less time than with
-        # the block size as an argument)
-        block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        offset = (keys % BLOCK_SIZE).to(tl.int64)
-        k_rows = block * stride_kb + offset * stride_ko
-        v_rows = block * stride_vb + offset * stride_vo
-        k = tl.load(k_base + k_rows[None, :] + dk[:, None], mask=key_mask[None, :], other=0.0)
-        v = tl.load(v_base + v_rows[:, None] + dv[None, :], mask=key_mask[:, None], other=0.0)
+    first = tl.arange(0, BLOCK_N)
+    block = tl.load(table_ptr + first // BLOCK_SIZE, mask=first < key_end, other=0)
+    key_start = 0
+    if SPLIT:
+        # the tiles every row sees, without a mask; then the diagonal ones, masked
+        key_start = _seen_by_every_row(pos, row_mask, key_end, BLOCK_N)
+        for start in range(0, key_start, BLOCK_N):
+            keys, k, v, block = _paged_kv_tile(
+                k_base, v_base, table_ptr, block, start, key_end, stride_kb, stride_ko,
+                stride_vb, stride_vo, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_SIZE, False, PREFETCH,
+            )  # fmt: skip
+            m_i, l_i, acc = _attend_key_tile(
+                q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, 0, DOT_FP32, False, False
+            )
+    for start in range(key_start, key_end, BLOCK_N):
+        keys, k, v, block = _paged_kv_tile(
+            k_base, v_base, table_ptr, block, start, key_end, stride_kb, stride_ko,
+            stride_vb, stride_vo, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_SIZE, True, PREFETCH,
+        )  # fmt: skip
         m_i, l_i, acc = _attend_key_tile(
             q, k, v, keys, pos, m_i, l_i, acc, qk_scale_log2, 0, DOT_FP32, False
         )
@@ -94,11 +153,15 @@ def paged_attention_at_positions(
     block_table: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
+    *,
+    tiling: AttentionTiling | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [Nq, Hq, D]`` at ``q_positions [Nq]`` over the request's rows of
     ``key_cache``/``value_cache`` (``[num_blocks, block_size, Hkv, D]``, any strides with a
     contiguous last dim) found through ``block_table [nb]``; the query at position ``p`` attends
-    keys ``0..p``. Returns ``[Nq, Hq, Dv]`` in ``q.dtype`` (fp32 softmax and accumulation)."""
+    keys ``0..p``. Returns ``[Nq, Hq, Dv]`` in ``q.dtype`` (fp32 softmax and accumulation).
+    ``tiling`` (keyword only; benchmarks): how to tile the launch, default
+    :func:`~.attention.default_paged_tiling` (``tma`` does not apply here)."""
     num_q, num_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = value_cache.shape[2], value_cache.shape[3]
     out = torch.empty(num_q, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
@@ -112,8 +175,9 @@ def paged_attention_at_positions(
     # Triton's interpreter multiplies the raw bits of bf16 dot operands (triton-lang/triton
     # issue 11584), so there bf16 tiles are widened to fp32 before each dot.
     dot_fp32 = fp32 or (interpret_mode() and q.dtype == torch.bfloat16)
-    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, head_dim_v, fp32)
-    grid = (triton.cdiv(num_q * group, block_m), num_kv_heads)
+    tiling, grid = fit_grid(
+        tiling or default_paged_tiling(head_dim, head_dim_v, fp32), num_q * group, num_kv_heads
+    )
     with device_of(q):
         _paged_attention_kernel[grid](
             q,
@@ -137,12 +201,15 @@ def paged_attention_at_positions(
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_V=head_dim_v,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
+            BLOCK_M=tiling.block_m,
+            BLOCK_N=tiling.block_n,
             BLOCK_SIZE=key_cache.shape[1],
             DOT_FP32=dot_fp32,
-            num_warps=num_warps,
-            num_stages=num_stages,
+            SPLIT=tiling.split,
+            HEAVY_FIRST=tiling.heavy_first,
+            PREFETCH=tiling.prefetch,
+            num_warps=tiling.num_warps,
+            num_stages=tiling.num_stages,
         )
     return out
 

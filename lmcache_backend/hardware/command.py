@@ -17,11 +17,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lmcache_backend.hardware import device_tests, kernels, long_prompts, verify_runs
+from lmcache_backend.hardware import (
+    device_blend,
+    device_tests,
+    kernels,
+    long_prompts,
+    verify_runs,
+)
 from lmcache_backend.hardware.children import python_module, repo_root, run_child, tail
 from lmcache_backend.hardware.table import FAIL, SKIPPED, Row, append_section, section
 
-STEPS = ("tests", "kernels", "verify", "8b")
+STEPS = ("tests", "kernels", "blend", "verify", "8b")
+#: the steps that start a vLLM engine; where vLLM does not import they are not run (their rows
+#: say so) and the rest of the check still runs: it needs only torch, triton and transformers
+NEEDS_VLLM = {"verify": verify_runs.STEP, "8b": long_prompts.STEP}
 DEVICE_NAMES = {"cuda": "CUDA GPU", "npu": "Ascend NPU"}
 
 
@@ -42,9 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
     parser.add_argument("--models", default=",".join(verify_runs.DEFAULT_MODELS))
     parser.add_argument(
-        "--sizes", default="8000,32000", help="prompt sizes for the 8B config, tokens"
+        "--sizes", default="8000,32000", help="prompt sizes of the 8B-shaped steps, tokens"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per 8B prompt size")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed rounds per prompt size (8B-shaped steps)"
+    )
     parser.add_argument(
         "--workers",
         type=int,
@@ -109,6 +120,14 @@ def _long(args: argparse.Namespace, info: dict, logs: Path, cache: Path) -> list
     return long_prompts.run(cache, logs, sizes, args.repeats, args.dry_run)
 
 
+def _blend(args: argparse.Namespace, info: dict, logs: Path, cache: Path) -> list[Row]:
+    if args.device == "npu":
+        why = "benchmarks/device_blend.py runs the CUDA cache forms and kernels; none for NPUs yet"
+        return [Row(device_blend.STEP, "benchmarks/device_blend.py", SKIPPED, why)]
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    return device_blend.run(logs, sizes, args.repeats, args.dry_run)
+
+
 def _tests(args: argparse.Namespace, info: dict, logs: Path, cache: Path) -> list[Row]:
     return device_tests.run(args.device, logs, args.dry_run, args.workers)
 
@@ -116,6 +135,7 @@ def _tests(args: argparse.Namespace, info: dict, logs: Path, cache: Path) -> lis
 _STEP_FUNCS: dict[str, Callable[[argparse.Namespace, dict, Path, Path], list[Row]]] = {
     "tests": _tests,
     "kernels": _kernels,
+    "blend": _blend,
     "verify": _verify,
     "8b": _long,
 }
@@ -152,8 +172,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"no usable {DEVICE_NAMES[args.device]}: {unavailable}; nothing written")
         return 2
     rows: list[Row] = []
+    no_vllm = info.get("vllm_error")
     for step in steps:
         print(f"[{step}]", flush=True)
+        if step in NEEDS_VLLM and no_vllm:
+            why = f"needs vLLM: {no_vllm}; runs where vLLM is installed"
+            rows.append(Row(NEEDS_VLLM[step], "every case", SKIPPED, why))
+            print(f"  {why}", flush=True)
+            continue
         try:
             rows += _STEP_FUNCS[step](args, info, logs, cache)
         except Exception as exc:  # noqa: BLE001 - one broken step must not lose the others' rows

@@ -5,6 +5,7 @@ installs the newest releases with a code path)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def test_the_dry_run_prints_a_table_of_every_step(tmp_path: Path) -> None:
     by_step: dict[str, list[list[str]]] = {}
     for row in rows:
         by_step.setdefault(row[0], []).append(row)
-    assert list(by_step) == ["device tests", "kernels", "verify", "8B config"]
+    assert list(by_step) == ["device tests", "kernels", "device blend", "verify", "8B config"]
     for step, case, result, measurement in rows:
         # no number stands in a dry run's table: every measured cell says so
         assert result in (DRY, SKIPPED), (step, case, result)
@@ -58,6 +59,17 @@ def test_the_dry_run_prints_a_table_of_every_step(tmp_path: Path) -> None:
 
     (bench,) = by_step["kernels"]
     assert "paged_attention" in bench[1] and "attention" in bench[1]
+
+    # every recorded form's agreement at ~8k (ratio 1.0 and the default; naive reuse on the
+    # first), then the newest form's timing at both sizes
+    blend = [row[1] for row in by_step["device blend"]]
+    forms = {c.split(", ")[1] for c in blend[:-4]}
+    assert {"0.33.0-FLASH_ATTN-LBNHC", "0.26.0-FLASH_ATTN-HND", "0.10.2-FLASH_ATTN-NHD"} <= forms
+    assert len(blend) == 2 * len(forms) + 1 + 4
+    assert [c.rsplit(": ", 1)[1] for c in blend[-4:]] == [
+        "full prefill (SDPA)",
+        "CacheBlend (blend + question)",
+    ] * 2
 
     # every backend the probe found: four cases (two models, eager and graphs), or one row
     # saying why it is not run here
@@ -78,6 +90,31 @@ def test_the_dry_run_prints_a_table_of_every_step(tmp_path: Path) -> None:
     # the plumbing really ran: collected tests, the models' folders, the engine's arguments
     assert json.loads((logs / "device-tests.json").read_text())["collected"] > 100
     assert "load_format': 'dummy'" in done.stdout and "--graphs" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_machine_without_vllm_runs_every_step_but_the_engines(tmp_path: Path) -> None:
+    """vLLM made unimportable (as on a GPU machine without it): the check still runs, the two
+    steps that start an engine say why they did not, and nothing fails for it."""
+    blocker = tmp_path / "site"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text('import sys\nsys.modules["vllm"] = None\n')
+    out = tmp_path / "hardware.md"
+    done = subprocess.run(
+        [sys.executable, "-m", "lmcache_backend", "hardware-check", "--device", "cuda"]
+        + ["--dry-run", "--steps", "blend,verify,8b", "--out", str(out)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(blocker)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = _table(out.read_text())
+    assert {r[0] for r in rows if r[2] == DRY} == {"device blend"}
+    skipped = [r for r in rows if r[2] == SKIPPED]
+    assert [r[0] for r in skipped] == ["verify", "8B config"]
+    assert all("needs vLLM" in r[3] for r in skipped)
 
 
 def _pytest_run(

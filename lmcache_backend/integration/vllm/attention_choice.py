@@ -17,11 +17,24 @@ contiguous K/V with the op registry's ``attention_at_positions(..., window=w)`` 
 (Triton applies the window; the NPU kernel declines it and the torch reference serves it).
 
 On CUDA and Ascend (a :class:`~lmcache_backend.integration.vllm.layouts.DeviceLayout`) the
-selected queries attend over the request's blocks through the op registry's
-``paged_attention_at_positions`` (the layout's :meth:`attention`), and the blend streams its
-layers: one layer's cached K/V at a time, written into the blocks before it is computed.
-vLLM's own forward pass is not used there: its attention metadata is built by each backend's
-own builder, which differs per backend and release (see ``docs/cuda.md``).
+blend streams its layers: one layer's cached K/V at a time, written into the blocks before it is
+computed. The selected queries attend
+
+* through the block table with the op registry's ``paged_attention_at_positions`` (the layout's
+  :meth:`attention`) where the layer's rows are in the blocks only -- after the preview, the
+  default selection, which leaves every layer's cached rows there -- and always with
+  ``selected_attention: vllm``;
+* over the layer's contiguous rows with the op registry's ``attention_at_positions`` where the
+  blend holds them (a check layer's selection, ``kv_deviation``) and ``selected_attention`` is
+  ``tiled``, or ``auto`` on CUDA: on an H100 that kernel (TMA loads) took 0.66x (8k keys) and
+  0.82x (32k) of the paged kernel's time (``docs/measurements/h100-kernels.md``). Ascend keeps
+  the paged kernel under ``auto`` until a measurement there says otherwise.
+
+Both read the same values: the blocks receive exactly these rows. (Gathering the blocks to run
+the contiguous kernel after a preview would save 2-10 ms per request at 8k-32k tokens on an
+H100, 1-2% of the blend, for a layer's K/V of memory: not done.) vLLM's own forward pass is not
+used there: its attention metadata is built by each backend's own builder, which differs per
+backend and release (see ``docs/cuda.md``).
 """
 
 from __future__ import annotations
@@ -66,6 +79,13 @@ class SelectedAttention:
     device: bool = False
 
     @property
+    def device_contiguous(self) -> bool:
+        """CUDA/Ascend: where the blend holds a layer's rows contiguous, the selected queries
+        attend over them (the backend's ``attention_at_positions``), not through the block
+        table."""
+        return self.device and self.tiled is not None
+
+    @property
     def reads_blocks(self) -> bool:
         """Whether the selected queries attend over the request's blocks."""
         return self.paged is not None or self.device
@@ -89,7 +109,8 @@ def choose_attention(
     if isinstance(layout, DeviceLayout):
         if model.windowed():  # sliding windows: the blender's own attention, per layer
             return SelectedAttention()
-        return SelectedAttention(device=True)
+        tiled = _device_contiguous_attention(settings.selected_attention, model, ops)
+        return SelectedAttention(tiled=tiled, device=True)
     paged = _paged_attention(vllm_config, layer_names, caches, layout, model)
     if paged is None:
         return SelectedAttention()
@@ -106,6 +127,32 @@ def choose_attention(
         windows = [model.sliding_window(layer) for layer in range(len(layer_names))]
         engine_forward = EngineForward(model.model, vllm_config, layer_names, paged, tiled, windows)
     return SelectedAttention(paged, tiled, engine_forward)
+
+
+def _device_contiguous_attention(
+    choice: str, model: VLLMModelAdapter, ops: Ops
+) -> SelectedQueriesAttention | None:
+    """On CUDA/Ascend, the backend's kernel over the layer's contiguous rows, per
+    ``selected_attention``: ``tiled`` wants it (or an error naming why not), ``vllm`` the paged
+    kernel, ``auto`` it on CUDA and the paged kernel elsewhere."""
+    if choice == "vllm" or (choice == "auto" and ops.name != "cuda"):
+        return None
+    q = torch.zeros(1, model.num_heads, model.head_dim, dtype=model.dtype, device=model.device)
+    kv = torch.zeros(1, model.num_kv_heads, model.head_dim, dtype=model.dtype, device=model.device)
+    positions = torch.zeros(1, dtype=torch.int64, device=model.device)
+    reason = ops.decline_reason("attention_at_positions", q, kv, kv, positions, 1.0)
+    if reason is None:
+        logger.info(
+            "CacheBlend: selected tokens attend over each layer's contiguous rows (%s kernel)",
+            ops.name,
+        )
+        return ops.attention_at_positions
+    if choice == "tiled":
+        raise ConfigError(f"selected_attention='tiled': {reason}")
+    logger.warning(
+        "CacheBlend: selected_attention=auto: %s; attending through the block table", reason
+    )
+    return None
 
 
 def _paged_attention(

@@ -148,8 +148,9 @@ class PagedCacheTarget(KVTarget):
         window: int | None = None,
     ) -> torch.Tensor:
         """``q [N, Hq, D]`` at sorted ``positions [N]`` over the layer's paged K/V (on CUDA and
-        Ascend through the block table); with the tiled kernel, over ``keys``/``values``
-        ``[T, Hkv, D]`` (the same rows, contiguous). A sliding ``window`` (keys
+        Ascend through the block table, or, where :attr:`SelectedAttention.device_contiguous`
+        and the blend holds the layer's rows, over ``keys``/``values``); with the tiled kernel, over
+        ``keys``/``values`` ``[T, Hkv, D]`` (the same rows, contiguous). A sliding ``window`` (keys
         ``p - window + 1 .. p``) is served over ``keys``/``values`` by the tiled kernel where
         there is one (it applies the window), else by the torch reference."""
         if window is not None:
@@ -163,6 +164,8 @@ class PagedCacheTarget(KVTarget):
             return attend(q, keys, values, positions, scale, window=window)
         self.paged_layers += 1
         if self.kernels.device:
+            if self.kernels.device_contiguous and keys is not None and values is not None:
+                return self.kernels.tiled(q, keys, values, positions.to(keys.device), scale)
             return self.layout.attention(self.caches[layer_id], q, self.block_ids, positions, scale)
         if self.kernels.tiled is not None:
             return self.kernels.tiled(q, keys, values, positions, scale)

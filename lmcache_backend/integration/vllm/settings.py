@@ -87,7 +87,10 @@ class ConnectorSettings:
         selected_attention: the attention kernel of that pass. ``"auto"`` (default): the
             blend's tiled kernel where it builds and runs (x86-64 with AVX-512 BF16, a bf16
             model), else vLLM's, logged; ``"tiled"``: the tiled kernel or an error at start;
-            ``"vllm"``: vLLM's CPU attention (one request per run of selected positions).
+            ``"vllm"``: vLLM's CPU attention (one request per run of selected positions). On
+            CUDA/Ascend: ``"tiled"`` (and ``"auto"`` on CUDA) attends over a layer's contiguous
+            rows where the blend holds them (check-layer selections), else through the block
+            table; ``"vllm"`` (and ``"auto"`` on Ascend) always through the block table.
     """
 
     config: BlendConfig

@@ -29,6 +29,16 @@ def consistent_ops(ops: Ops) -> Ops:
     return replace(ops, kv_deviation_topk=topk)
 
 
+def rank(tp_size: int) -> int:
+    """This worker's tensor-parallel rank; 0 without asking vLLM when there is one rank, so a
+    single-GPU worker path runs (and is tested) where vLLM's distributed state does not exist."""
+    if tp_size <= 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def summed_over_ranks(scores: torch.Tensor) -> torch.Tensor:
     """Token scores ``[N]`` summed over tensor-parallel ranks (each rank sees only its heads)."""
     from vllm.distributed.parallel_state import get_tp_group

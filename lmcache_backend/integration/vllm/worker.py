@@ -54,8 +54,18 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class WorkerSide:
     """The worker-side state: the model adapter, the paged caches, the blender and the store."""
 
-    def __init__(self, settings: ConnectorSettings, vllm_config: Any, profile: Any) -> None:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        vllm_config: Any,
+        profile: Any,
+        platform: str | None = None,
+    ) -> None:
+        """``platform``: whose cache layout to expect (``"cuda"``, ``"npu"``, ``"cpu"``);
+        None: the one this process runs on. Given, it lets the device path run over CPU
+        tensors (Triton's interpreter, the Ascend emulation)."""
         self.settings = settings
+        self.platform = platform or detect_platform()
         self.vllm_config = vllm_config
         self.profile = profile
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -158,10 +168,7 @@ class WorkerSide:
         return tensor_parallel.consistent_ops(ops) if self.settings.tp_size > 1 else ops
 
     def _make_store(self, model: ModelAdapter) -> Any:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        rank = get_tensor_model_parallel_rank() if self.settings.tp_size > 1 else 0
-        self.rank = rank
+        rank = self.rank = tensor_parallel.rank(self.settings.tp_size)
         # the blender only reads its hits (it copies them into one buffer per request): memory
         # tiers need not copy each hit first, unless the user's extra_config says otherwise
         config = self.settings.config
@@ -178,7 +185,7 @@ class WorkerSide:
     def _make_layout(self, model: ModelAdapter, ops: Ops) -> PagedLayout:
         cache = self.caches[0]
         context = self.vllm_config.compilation_config.static_forward_context
-        if detect_platform() == "cpu":
+        if self.platform == "cpu":
             layer = context[self.layer_names[0]]
             return CpuLayout(
                 self.profile.cpu_cache_writer(),

@@ -11,7 +11,11 @@ import pytest
 import torch
 from numerics import DEVICE, assert_close, nan_like
 
-from lmcache_backend.backends.cuda.attention import attention_at_positions
+from lmcache_backend.backends.cuda.attention import (
+    AttentionTiling,
+    attention_at_positions,
+    fit_grid,
+)
 from lmcache_backend.ops import get_ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -160,3 +164,33 @@ def test_no_queries():
     q = torch.empty(0, 6, 64, dtype=torch.float16, device=DEVICE)
     result, expected = attend_both(q, k, v, torch.empty(0, dtype=torch.int64, device=DEVICE), 0.125)
     assert result.shape == (0, 6, 64)
+
+
+#: every tiling choice the kernels take, at tiles small enough for the interpreter; each must
+#: give the reference's answer (the tiles the GPU runs are timed in benchmarks/kernel_sweep.py)
+TILINGS = {
+    "plain": AttentionTiling(32, 16, 4, 2),
+    "split": AttentionTiling(32, 16, 4, 2, split=True),
+    "heavy-first": AttentionTiling(32, 16, 4, 2, heavy_first=True),
+    "tma": AttentionTiling(32, 16, 4, 2, tma=True),
+    "all": AttentionTiling(32, 16, 4, 2, split=True, heavy_first=True, tma=True),
+}
+
+
+@pytest.mark.parametrize("name", list(TILINGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_every_tiling_matches_reference(name, dtype):
+    """Positions far apart within a tile (a wide diagonal) and close together (whole key tiles
+    seen by every row), group of 4, a tail tile with padding rows."""
+    q, k, v, positions = make_inputs(150, (8, 2), 32, dtype, seed=7, num_q=45)
+    expected = get_ops("torch").attention_at_positions(q, k, v, positions, 32**-0.5)
+    result = attention_at_positions(q, k, v, positions, 32**-0.5, tiling=TILINGS[name])
+    assert_close(result, expected, dtype)
+
+
+def test_heavy_first_falls_back_when_the_grid_would_overflow():
+    """More query tiles than a grid's second dimension holds: the tiles go first, in order."""
+    tiling, grid = fit_grid(AttentionTiling(16, 16, 4, 2, heavy_first=True), 16 * 70000, 8)
+    assert not tiling.heavy_first and grid == (70000, 8)
+    tiling, grid = fit_grid(AttentionTiling(16, 16, 4, 2, heavy_first=True), 16 * 100, 8)
+    assert tiling.heavy_first and grid == (8, 100)

@@ -75,27 +75,38 @@ for arch in (86, 90):
         results[f"{name}-sm{arch}"] = compile_one(fn, ptrs, consts, arch)
     for dtype, head_dim in (("bf16", 128), ("fp16", 256), ("fp32", 256)):
         fp32 = dtype == "fp32"
-        block_m, block_n, warps, stages = attention._launch_config(head_dim, head_dim, fp32)
-        results[f"attention-{dtype}-d{head_dim}-sm{arch}"] = compile_one(
-            attention._attention_at_positions_kernel,
-            {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
-             "pos_ptr": "*i64", "out_ptr": f"*{dtype}"},
-            {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": block_m,
-             "BLOCK_N": block_n, "DOT_FP32": fp32},
-            arch,
-            floats=("qk_scale_log2",),
-            options={"num_warps": warps, "num_stages": stages},
-        )
-        results[f"paged-attention-{dtype}-d{head_dim}-sm{arch}"] = compile_one(
-            paged_attention._paged_attention_kernel,
-            {"q_ptr": f"*{dtype}", "kc_ptr": f"*{dtype}", "vc_ptr": f"*{dtype}",
-             "table_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": f"*{dtype}"},
-            {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": block_m,
-             "BLOCK_N": block_n, "DOT_FP32": fp32},
-            arch,
-            floats=("qk_scale_log2",),
-            options={"num_warps": warps, "num_stages": stages},
-        )
+        # the tilings the launchers choose: short and long prompts, the paged kernel's
+        tilings = {
+            "attention": attention.default_tiling(head_dim, head_dim, fp32),
+            "attention-long": attention.default_tiling(head_dim, head_dim, fp32, 1 << 20),
+            "paged-attention": attention.default_paged_tiling(head_dim, head_dim, fp32),
+        }
+        for name, t in tilings.items():
+            tiles = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": t.block_m,
+                     "BLOCK_N": t.block_n, "DOT_FP32": fp32, "SPLIT": t.split,
+                     "HEAVY_FIRST": t.heavy_first}
+            options = {"num_warps": t.num_warps, "num_stages": t.num_stages}
+            if name.startswith("paged"):
+                fn = paged_attention._paged_attention_kernel
+                ptrs = {"q_ptr": f"*{dtype}", "kc_ptr": f"*{dtype}", "vc_ptr": f"*{dtype}",
+                        "table_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": f"*{dtype}"}
+                consts = {**tiles, "BLOCK_SIZE": 16, "PREFETCH": t.prefetch}
+            else:
+                fn = attention._attention_at_positions_kernel
+                ptrs = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+                        "pos_ptr": "*i64", "out_ptr": f"*{dtype}"}
+                consts = {**tiles, "WINDOWED": False}
+                # the tensor memory accelerator's loads where the tiling asks and the GPU has
+                # them (Hopper); pointer loads elsewhere
+                if t.tma and arch >= 90:
+                    desc = f"tensordesc<{dtype}[{t.block_n}, {head_dim}]>"
+                    ptrs.update(k_desc=desc, v_desc=desc)
+                    consts["TMA"] = True
+                else:
+                    consts.update(TMA=False, k_desc=None, v_desc=None)
+            results[f"{name}-{dtype}-d{head_dim}-sm{arch}"] = compile_one(
+                fn, ptrs, consts, arch, floats=("qk_scale_log2",), options=options
+            )
 print(json.dumps(results))
 """
 
@@ -117,7 +128,7 @@ def test_kernels_compile_for_sm86_and_sm90(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     shared = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(shared) == 2 * 12
+    assert len(shared) == 2 * (6 + 3 * 3)
     for name, nbytes in shared.items():
         arch = int(name.rsplit("sm", 1)[1])
         assert nbytes <= SHARED_LIMIT[arch], f"{name} needs {nbytes} B of shared memory"

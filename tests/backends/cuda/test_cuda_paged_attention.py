@@ -15,6 +15,11 @@ from lmcache_backend.ops.reference import attention_at_positions, paged_attentio
 
 pytest.importorskip("triton")
 
+from lmcache_backend.backends.cuda.attention import AttentionTiling  # noqa: E402
+from lmcache_backend.backends.cuda.paged_attention import (  # noqa: E402
+    paged_attention_at_positions as paged_kernel,
+)
+
 BLOCK_SIZE = 16
 
 
@@ -132,3 +137,32 @@ def test_declined_calls_name_the_reason() -> None:
         table, torch.tensor([1], device=DEVICE), 1.0,
     )  # fmt: skip
     assert "head dim" in bad
+
+
+@pytest.mark.parametrize(
+    "tiling",
+    [
+        AttentionTiling(32, 32, 4, 2, split=True),
+        AttentionTiling(32, 32, 4, 2, heavy_first=True),
+        AttentionTiling(32, 32, 4, 2, prefetch=True),
+        AttentionTiling(32, 32, 4, 2, split=True, heavy_first=True, prefetch=True),
+    ],
+    ids=["split", "heavy-first", "prefetch", "all"],
+)
+def test_every_tiling_matches_the_reference(tiling) -> None:
+    """Each tiling choice of the paged kernel, over shuffled blocks of the split (0.26+) view:
+    queries spread over 200 tokens (tiles seen by every row, and diagonal ones), a group of 4."""
+    g = torch.Generator().manual_seed(11)
+    num_tokens, dim, kv_heads = 200, 32, 2
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    key_cache, value_cache = _caches("split", num_blocks + 3, kv_heads, dim, torch.float32)
+    table = torch.randperm(num_blocks + 3, generator=g)[:num_blocks].to(DEVICE)
+    keys, values = _fill(key_cache, value_cache, table, num_tokens, g)
+    positions = torch.cat(
+        [torch.randperm(199, generator=g)[:40].sort().values, torch.tensor([199])]
+    )
+    positions = positions.to(DEVICE)
+    q = torch.randn(positions.numel(), 4 * kv_heads, dim, generator=g).to(DEVICE)
+    got = paged_kernel(q, key_cache, value_cache, table, positions, dim**-0.5, tiling=tiling)
+    want = attention_at_positions(q, keys, values, positions, dim**-0.5)
+    assert_close(got, want, torch.float32)

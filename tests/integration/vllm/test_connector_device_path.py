@@ -47,7 +47,6 @@ from lmcache_backend.models.hf import HFModelAdapter
 from lmcache_backend.ops import OP_NAMES, Ops, get_ops, implementations
 
 pytest.importorskip("triton")
-pytest.importorskip("vllm")
 
 SEP = [5, 6]
 BLOCK = 16
@@ -121,11 +120,19 @@ CUDA_FORMS = _distinct_forms()
 ASCEND = load("vllm-ascend")
 
 
-def _worker(caches: dict, backend_name: str, ops: Ops, monkeypatch) -> WorkerSide:
-    """A worker over ``caches`` as vLLM would build it on a device, with ``ops``."""
-    from lmcache_backend.integration.vllm import worker as worker_module
-
-    monkeypatch.setattr(worker_module, "detect_platform", lambda: "cuda")
+def _worker(
+    caches: dict,
+    backend_name: str,
+    ops: Ops,
+    monkeypatch,
+    selected_attention: str = "auto",
+    selection: str = "query_preview_last",
+) -> WorkerSide:
+    """A worker over ``caches`` as vLLM would build it on a device, with ``ops``; the selected
+    queries attend per ``selected_attention`` (``auto`` on CUDA: over the layer's contiguous
+    rows where the blend holds them, else through the block table; ``vllm``: through the block
+    table), the tokens chosen by ``selection`` (the preview leaves the rows in the blocks only;
+    ``kv_deviation`` holds each layer's rows)."""
     names = list(caches)
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
@@ -142,6 +149,7 @@ def _worker(caches: dict, backend_name: str, ops: Ops, monkeypatch) -> WorkerSid
         enable_blending=True,
         blend_min_tokens=0,
         blend_recompute_ratios=[0.3],
+        blend_selection=selection,
         extra_config={"segment_index": False},
     )
     settings = ConnectorSettings(
@@ -151,8 +159,10 @@ def _worker(caches: dict, backend_name: str, ops: Ops, monkeypatch) -> WorkerSid
         separator=SEP,
         stats_file=None,
         allow_untested_versions=False,
+        selected_attention=selected_attention,
     )
-    worker = WorkerSide(settings, vllm_config, SimpleNamespace(kv_transfer_after_model_load=False))
+    profile = SimpleNamespace(kv_transfer_after_model_load=False)
+    worker = WorkerSide(settings, vllm_config, profile, platform="cuda")
     monkeypatch.setattr(worker, "_ops", lambda: ops)
     worker.register_kv_caches(caches)
     return worker
@@ -200,8 +210,24 @@ def _check(read_layer, model, asked, worker, dtype) -> None:
             assert err <= TOLERANCE[dtype], f"layer {layer}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("form", CUDA_FORMS, ids=lambda r: r.id)
-def test_cuda_forms_blend_like_the_cpu_path(form, device_model, monkeypatch) -> None:
+#: Every form with the defaults (the preview selection: its attention reads the rows in the
+#: blocks, through the block table); the newest and the oldest also with ``kv_deviation``, whose
+#: layers hold their rows contiguous: attended there (``auto``) or through the blocks (``vllm``).
+CASES = [(f, "query_preview_last", "auto") for f in CUDA_FORMS] + [
+    (f, "kv_deviation", attention)
+    for f in (CUDA_FORMS[0], CUDA_FORMS[-1])
+    for attention in ("auto", "vllm")
+]
+
+
+@pytest.mark.parametrize(
+    "form, selection, selected_attention",
+    CASES,
+    ids=lambda v: v.id if isinstance(v, Recorded) else v,
+)
+def test_cuda_forms_blend_like_the_cpu_path(
+    form, selection, selected_attention, device_model, monkeypatch
+) -> None:
     size, hf = device_model
     m = MODELS[size]
     geometry = Geometry(m["dtype"], m["kv_heads"], m["head_dim"], num_blocks=24, block_size=BLOCK)
@@ -209,11 +235,12 @@ def test_cuda_forms_blend_like_the_cpu_path(form, device_model, monkeypatch) -> 
         f"model.layers.{i}.self_attn.attn": build_cache(form.tensor, geometry, DEVICE)
         for i in (0, 1)
     }
-    worker = _worker(caches, form.name, get_ops("cuda"), monkeypatch)
+    worker = _worker(caches, form.name, get_ops("cuda"), monkeypatch, selected_attention, selection)
     adapter = HFModelAdapter(hf)
     assert adapter.device.type == DEVICE
     worker.build(adapter)
-    assert worker.loads.target.kernels.device
+    kernels = worker.loads.target.kernels
+    assert kernels.device and kernels.device_contiguous == (selected_attention == "auto")
     ops_registry._declined_logged.clear()
     asked, blocks = _blend_through_worker(worker, hf)
     # every call the kernels got ran one: a tensor left on the CPU beside a GPU would be declined
