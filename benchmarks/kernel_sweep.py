@@ -6,7 +6,7 @@ so a default can be picked from measurements on the device at hand:
 * ``attention_at_positions`` and ``paged_attention_at_positions`` at 8k and 32k keys (bf16,
   32 query and 8 KV heads of 128, 15% of the positions as sorted queries, the last included; the
   paged cache in blocks of 16 shuffled over a pool twice the request's size) for tile sizes x
-  the tiling choices of :class:`~lmcache_backend.backends.cuda.attention.AttentionTiling`
+  the tiling choices of :class:`~lmcache_backend.backends.cuda.attention_tiling.AttentionTiling`
   (split, heavy-first, TMA for the contiguous kernel, prefetch for the paged one), next to torch
   SDPA with the explicit mask and to gathering the blocks before the contiguous kernel;
 * ``gather_rows`` / ``scatter_rows`` for elements per program and warps.
@@ -111,7 +111,8 @@ def _attention_at(num_k: int, args) -> list[dict]:
     """Every tiling of both kernels at ``num_k`` keys, SDPA with the mask, and the gather."""
     import torch.nn.functional as F
 
-    from lmcache_backend.backends.cuda.attention import AttentionTiling, attention_at_positions
+    from lmcache_backend.backends.cuda.attention import attention_at_positions
+    from lmcache_backend.backends.cuda.attention_tiling import AttentionTiling
     from lmcache_backend.backends.cuda.paged_attention import paged_attention_at_positions
     from lmcache_backend.ops.reference import attention_at_positions as reference
 

@@ -254,7 +254,8 @@ def bench_paged_attention(args) -> list[Row]:
 
 
 def _bench_paged_attention(args, num_k: int) -> list[Row]:
-    from lmcache_backend.backends.cuda.attention import attention_at_positions, default_paged_tiling
+    from lmcache_backend.backends.cuda.attention import attention_at_positions
+    from lmcache_backend.backends.cuda.attention_tiling import default_paged_tiling
     from lmcache_backend.backends.cuda.paged_attention import paged_attention_at_positions
     from lmcache_backend.ops.reference import attention_at_positions as reference
 

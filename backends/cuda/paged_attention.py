@@ -20,15 +20,13 @@ from lmcache_backend.ops import register
 from ._common import device_of, index_reason, interpret_mode
 from .attention import (
     _LOG2E,
-    AttentionTiling,
     _attend_key_tile,
     _query_rows,
     _seen_by_every_row,
     _store_rows,
-    default_paged_tiling,
-    fit_grid,
     verify_attention_at_positions,
 )
+from .attention_tiling import AttentionTiling, default_paged_tiling, fit_grid
 
 
 @triton.jit
@@ -161,7 +159,7 @@ def paged_attention_at_positions(
     contiguous last dim) found through ``block_table [nb]``; the query at position ``p`` attends
     keys ``0..p``. Returns ``[Nq, Hq, Dv]`` in ``q.dtype`` (fp32 softmax and accumulation).
     ``tiling`` (keyword only; benchmarks): how to tile the launch, default
-    :func:`~.attention.default_paged_tiling` (``tma`` does not apply here)."""
+    :func:`~.attention_tiling.default_paged_tiling` (``tma`` does not apply here)."""
     num_q, num_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = value_cache.shape[2], value_cache.shape[3]
     out = torch.empty(num_q, num_heads, head_dim_v, dtype=q.dtype, device=q.device)

@@ -11,11 +11,8 @@ import pytest
 import torch
 from numerics import DEVICE, assert_close, nan_like
 
-from lmcache_backend.backends.cuda.attention import (
-    AttentionTiling,
-    attention_at_positions,
-    fit_grid,
-)
+from lmcache_backend.backends.cuda.attention import attention_at_positions
+from lmcache_backend.backends.cuda.attention_tiling import AttentionTiling, fit_grid
 from lmcache_backend.ops import get_ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -28,8 +28,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lmcache_backend.backends.cuda import (attention, deviation, paged_attention, paged_kv,
-                                           rope, rows)
+from lmcache_backend.backends.cuda import (attention, attention_tiling, deviation,
+                                           paged_attention, paged_kv, rope, rows)
 
 def compile_one(fn, ptrs, consts, arch, floats=(), options=None):
     sig = {}
@@ -77,9 +77,9 @@ for arch in (86, 90):
         fp32 = dtype == "fp32"
         # the tilings the launchers choose: short and long prompts, the paged kernel's
         tilings = {
-            "attention": attention.default_tiling(head_dim, head_dim, fp32),
-            "attention-long": attention.default_tiling(head_dim, head_dim, fp32, 1 << 20),
-            "paged-attention": attention.default_paged_tiling(head_dim, head_dim, fp32),
+            "attention": attention_tiling.default_tiling(head_dim, head_dim, fp32),
+            "attention-long": attention_tiling.default_tiling(head_dim, head_dim, fp32, 1 << 20),
+            "paged-attention": attention_tiling.default_paged_tiling(head_dim, head_dim, fp32),
         }
         for name, t in tilings.items():
             tiles = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": t.block_m,

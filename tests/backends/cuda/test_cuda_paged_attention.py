@@ -15,7 +15,7 @@ from lmcache_backend.ops.reference import attention_at_positions, paged_attentio
 
 pytest.importorskip("triton")
 
-from lmcache_backend.backends.cuda.attention import AttentionTiling  # noqa: E402
+from lmcache_backend.backends.cuda.attention_tiling import AttentionTiling  # noqa: E402
 from lmcache_backend.backends.cuda.paged_attention import (  # noqa: E402
     paged_attention_at_positions as paged_kernel,
 )
