@@ -5,7 +5,6 @@ by the modules that use them, when they are used.
 """
 
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
-
-__version__ = "0.1.0"
+from lmcache_backend.version import __version__
 
 __all__ = ["BlendConfig", "ConfigError", "__version__", "load_config"]
