@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from lmcache_backend.compat import release
+from lmcache_backend.compat.versions import vkey
 
 
 class Kind(str, Enum):
@@ -383,10 +384,6 @@ FAMILY_0_3_12 = LMCacheFamily(
 FAMILIES: tuple[LMCacheFamily, ...] = (FAMILY_0_3_3, FAMILY_0_3_7, FAMILY_0_3_12)
 
 
-def _key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in (release(version) or "0.0.0").split("."))
-
-
 def family_for(lmcache_version: str, forced: bool = False) -> LMCacheFamily | None:
     """The family of ``lmcache_version``.
 
@@ -401,7 +398,7 @@ def family_for(lmcache_version: str, forced: bool = False) -> LMCacheFamily | No
     if not forced:
         return None
     for family in FAMILIES:
-        low, high = _key(family.name), _key(family.upto) if family.upto else None
-        if _key(core) >= low and (high is None or _key(core) < high):
+        low, high = vkey(family.name), vkey(family.upto) if family.upto else None
+        if vkey(core) >= low and (high is None or vkey(core) < high):
             return family
     return None

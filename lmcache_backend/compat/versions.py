@@ -10,34 +10,49 @@ import functools
 import importlib.metadata
 from dataclasses import dataclass
 
+from packaging.version import InvalidVersion, Version
+
 
 class UnsupportedVersions(RuntimeError):
     """The installed combination is unsupported or conflicting; the message gives the matrix row
     (or says there is none) and what to install."""
 
 
-def release(version: str | None) -> str | None:
-    """``"0.11.0+cpu"`` / ``"0.10.0.post1"`` / ``"0.3.12rc1"`` -> the ``major.minor.patch`` core."""
-    if not version:
-        return None
-    core = version.split("+", 1)[0]
-    parts = []
-    for piece in core.split(".")[:3]:
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        parts.append(digits or "0")
-    while len(parts) < 3:
-        parts.append("0")
-    return ".".join(parts)
+def parse_version(version: str) -> Version:
+    """``version`` by PEP 440's rules (``0.11.0+cpu``, ``0.23.0.post1``, ``0.3.12rc1``).
+
+    Raises:
+        InvalidVersion: not a version (a ``ValueError``; the message quotes the string).
+    """
+    try:
+        return Version(version)
+    except InvalidVersion:
+        raise InvalidVersion(
+            f"{version!r} is not a version (PEP 440, e.g. 0.33.0, 0.23.0.post1, 0.11.0+cpu)"
+        ) from None
 
 
 def vkey(version: str) -> tuple[int, int, int]:
-    """Sort key of a version's release core (``"0.10.2"`` -> ``(0, 10, 2)``)."""
-    major, minor, patch = (int(p) for p in (release(version) or "0.0.0").split("."))
+    """The ``(major, minor, patch)`` of a version's release (``"0.10.2.post1"`` ->
+    ``(0, 10, 2)``): pre-, post- and local parts do not change which code path applies.
+
+    Raises:
+        InvalidVersion: ``version`` is not a version.
+    """
+    major, minor, patch = (*parse_version(version).release, 0, 0)[:3]
     return major, minor, patch
+
+
+def release(version: str | None) -> str | None:
+    """``"0.11.0+cpu"`` / ``"0.10.0.post1"`` / ``"0.3.12rc1"`` -> the ``major.minor.patch`` core
+    (None for None or an empty string).
+
+    Raises:
+        InvalidVersion: ``version`` is not a version.
+    """
+    if not version:
+        return None
+    return ".".join(str(part) for part in vkey(version))
 
 
 def nearest(version: str, candidates: list[str]) -> str:
