@@ -69,9 +69,24 @@ def _apply_patch(args: argparse.Namespace) -> int:
     return apply_patch.main(args.patch_args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: the message and where the usage is, not the usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmcache-backend", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    from lmcache_backend.version import __version__
+
+    parser = _Parser(prog="lmcache-backend", description=__doc__)
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at INFO level; a mistake's one-line error comes with its traceback",
+    )
+    parser.add_argument("--version", action="version", version=f"lmcache-backend {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from lmcache_backend import demos
@@ -90,10 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "serve",
-        help="vllm serve with CacheBlendConnector (vllm serve options pass on)",
+        help="vllm serve with CacheBlendConnector (vllm serve options pass on; "
+        "serve --help lists both)",
         add_help=False,
     )
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    p.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        help="[MODEL] [--stats-file PATH] [vllm serve options]: lmcache-backend serve --help",
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("model-path", help="print a folder holding an embedded model")
@@ -128,12 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "apply-patch", help="patch vllm-ascend's worker (see docs/patching.md)", add_help=False
     )
-    p.add_argument("patch_args", nargs=argparse.REMAINDER)
+    p.add_argument(
+        "patch_args",
+        nargs=argparse.REMAINDER,
+        help="--check | --revert | --dry-run, --path FILE: lmcache-backend apply-patch --help",
+    )
     p.set_defaults(func=_apply_patch)
     return parser
 
 
-def _serve_args(rest: list[str]) -> argparse.Namespace:
+def _serve_args(rest: list[str], verbose: bool = False) -> argparse.Namespace:
     model = rest[0] if rest and not rest[0].startswith("-") else None
     rest = rest[1:] if model is not None else list(rest)
     stats_file = None
@@ -151,7 +175,7 @@ def _serve_args(rest: list[str]) -> argparse.Namespace:
         i += 1
     return argparse.Namespace(
         command="serve",
-        verbose=False,
+        verbose=verbose,
         model=model,
         stats_file=stats_file,
         vllm_args=vllm_args,
@@ -169,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return apply_patch.main(argv[argv.index("apply-patch") + 1 :])
     if "serve" in argv and set(argv[: argv.index("serve")]) <= {"-v", "--verbose"}:
         # vllm serve's options pass through untouched; only MODEL and --stats-file are ours
-        args = _serve_args(argv[argv.index("serve") + 1 :])
+        i = argv.index("serve")
+        args = _serve_args(argv[i + 1 :], verbose=bool(argv[:i]))
     else:
         args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -178,7 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Two cores fight over more threads than they have (runs got ~20x slower); cap by default.
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as exc:  # a user's mistake: one line; anything else: its traceback
+        from lmcache_backend.errors import USAGE_EXIT, report
+
+        if report(args.command, exc, args.verbose):
+            return USAGE_EXIT
+        raise
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def test_names_resolve_to_specs() -> None:
 
 
 def test_paths_and_hub_names_pass_through(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path)) == str(tmp_path)
     assert resolve_model("google/gemma-3-270m") == "google/gemma-3-270m"
     assert model_label("google/gemma-3-270m") == "google/gemma-3-270m"

@@ -87,8 +87,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_version(flag: str, value: str) -> None:
+    from packaging.version import InvalidVersion
+
+    from lmcache_backend.compat.versions import parse_version
+    from lmcache_backend.errors import UsageError
+
+    try:
+        parse_version(value)
+    except InvalidVersion as exc:
+        raise UsageError(f"{flag} {exc}") from None
+
+
 def main(args: argparse.Namespace | None = None) -> int:
+    """Print the sections.
+
+    Raises:
+        UsageError: ``--vllm`` or ``--vllm-ascend`` is not a version.
+    """
     vllm = getattr(args, "vllm", None)
+    for flag, value in (("--vllm", vllm), ("--vllm-ascend", getattr(args, "vllm_ascend", None))):
+        if value is not None:
+            _check_version(flag, value)
     if vllm:
         from lmcache_backend.integration.vllm import what_if_section
 

@@ -220,8 +220,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         help="model folder, hub name or embedded model (smollm2, gemma3-270m; default: smollm2)",
     )
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf: the transformers model in this process (default); vllm: a vLLM engine with "
+        "the connector, against the same engine opted out",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the model's dtype (default: float32)",
+    )
     parser.add_argument("--prompts", type=int, default=4, help="built-in prompts to blend")
     parser.add_argument("--max-tokens", type=int, default=16, help="greedy answer length")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")

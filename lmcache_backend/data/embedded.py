@@ -10,7 +10,7 @@ everything runs without a model hub.
 Each GGUF file is converted once into a safetensors folder under the user cache directory
 (``lmcache-backend model-path [NAME]`` prints it); that folder is what transformers and vLLM
 load afterwards. :func:`resolve_model` turns a command's model argument (nothing, an embedded
-model's name, a folder or hub name) into what to load.
+model's name, a folder or hub name) into what to load, and refuses one that cannot load.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -198,15 +199,54 @@ def is_embedded_name(name: str | None) -> bool:
 def resolve_model(model: str | None) -> str:
     """What to load for a command's model argument: the default embedded model's folder for
     None, an embedded model's folder for its name (converted on first use), else ``model``
-    as given (a folder or a hub name).
+    as given (a model folder, a GGUF file or a hub repo id).
 
     Raises:
-        FileNotFoundError: the named embedded model's package is not installed (one line saying
-            how to install it).
+        FileNotFoundError: the named embedded model's package is not installed, or ``model`` is
+            a path to nothing or to something that is not a model (one line saying which and
+            what is accepted).
     """
     if model is None or is_embedded_name(model):
         return str(embedded_model_path(model))
+    check_model_argument(model)
     return model
+
+
+#: What a hub repo id looks like (``name`` or ``namespace/name``; huggingface_hub's rules).
+_REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+
+#: Files of which a model folder holds at least one (transformers' and Mistral's formats).
+MODEL_FOLDER_FILES = ("config.json", "params.json")
+
+
+def check_model_argument(model: str) -> None:
+    """Refuse a model argument that cannot load, before any engine starts: a path to nothing,
+    a folder with no model configuration, a file that is not GGUF, or text that is neither a
+    path nor a hub repo id. A repo id that is not a folder here is left to the hub.
+
+    Raises:
+        FileNotFoundError: one line naming ``model`` and what is accepted.
+    """
+    accepted = (
+        f"a model folder (holding {' or '.join(MODEL_FOLDER_FILES)}), a .gguf file, a hub "
+        f"repo id (namespace/name) or an embedded model ({', '.join(EMBEDDED_MODELS)})"
+    )
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not any((path / name).is_file() for name in MODEL_FOLDER_FILES):
+            raise FileNotFoundError(
+                f"model {model!r}: the folder holds no model; expected {accepted}"
+            )
+        return
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise FileNotFoundError(
+                f"model {model!r}: a file that is not GGUF; expected {accepted}"
+            )
+        return
+    looks_like_path = model.startswith(("/", "./", "../", "~"))
+    if looks_like_path or not _REPO_ID.match(model) or ".." in model or "--" in model:
+        raise FileNotFoundError(f"model {model!r}: no such file or folder; expected {accepted}")
 
 
 def model_label(model: str | None) -> str:

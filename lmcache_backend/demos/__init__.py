@@ -7,6 +7,17 @@ from __future__ import annotations
 import argparse
 
 
+def _ratio(text: str) -> float:
+    """A recompute ratio: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ratio in [0, 1]")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine",
@@ -17,11 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ratio",
-        type=float,
+        type=_ratio,
         default=None,
-        help="CacheBlend recompute ratio (default: the configured blend_recompute_ratios)",
+        help="CacheBlend recompute ratio in [0, 1] (default: the configured "
+        "blend_recompute_ratios)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=24, help="tokens per answer (default: 24)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     server = parser.add_argument_group("--engine server")
     server.add_argument("--chats", type=int, default=3, help="RAG chats to send")

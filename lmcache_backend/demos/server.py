@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_backend.demos.server_process import ServerProcess
+from lmcache_backend.demos.server_process import ServerExited, ServerProcess
+from lmcache_backend.errors import USAGE_EXIT, UsageError
 
 #: The separator between documents (``blend_special_str``'s default).
 SEPARATOR = " # # "
@@ -213,6 +214,18 @@ def _print_row(index: int, row: ChatRow, out) -> None:
     )
 
 
+def _start(server: ServerProcess) -> None:
+    """Start the server; a mistake ``serve`` refused (exit status 2) is raised as the one line
+    it printed."""
+    try:
+        server.start()
+    except ServerExited as exc:
+        lines = exc.log_tail.strip().splitlines()
+        if exc.returncode != USAGE_EXIT or not lines:
+            raise
+        raise UsageError(lines[-1].removeprefix("lmcache-backend serve: ")) from None
+
+
 def run_demo(
     ratio: float | None = None,
     examples: int = 3,
@@ -251,10 +264,12 @@ def run_demo(
         )
         started = time.perf_counter()
         try:
-            server.start()
+            _start(server)
             print(f"server ready in {time.perf_counter() - started:.0f} s", file=out, flush=True)
             rag = RagClient(server.client(), model, tokenizer)
             rows = run_chats(rag, server.stats, examples, chunk_repeat, max_tokens, out)
+        except UsageError:
+            raise
         except Exception:
             print(f"server log (last lines):\n{server.log_tail()}", file=out)
             raise

@@ -18,6 +18,16 @@ from pathlib import Path
 from typing import Any
 
 
+class ServerExited(RuntimeError):
+    """The server stopped before it answered; ``returncode`` is its exit status (2: ``serve``
+    refused its arguments or configuration, the log's last line says why)."""
+
+    def __init__(self, returncode: int, log_tail: str) -> None:
+        super().__init__(f"server exited with {returncode}:\n{log_tail}")
+        self.returncode = returncode
+        self.log_tail = log_tail
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -73,7 +83,8 @@ class ServerProcess:
         """Start the server and wait until ``/health`` answers (at most ``timeout_s``).
 
         Raises:
-            RuntimeError: the server exited or did not answer in time (with its last log lines).
+            ServerExited: the server exited (with its last log lines).
+            RuntimeError: it did not answer in time (with its last log lines).
         """
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes to it until stop()
         # A session of its own: stop() ends the server and the engine processes it started.
@@ -84,7 +95,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise ServerExited(self.proc.returncode, self.log_tail())
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
                     if resp.status == 200:

@@ -35,7 +35,9 @@ DEVICE_NAMES = {"cuda": "CUDA GPU", "npu": "Ascend NPU"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("cuda", "npu"), required=True)
+    parser.add_argument(
+        "--device", choices=("cuda", "npu"), required=True, help="the device to check"
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -49,7 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--logs", help="folder for the steps' logs (default: out/hardware/DATE)")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
-    parser.add_argument("--models", default=",".join(verify_runs.DEFAULT_MODELS))
+    parser.add_argument(
+        "--models",
+        default=",".join(verify_runs.DEFAULT_MODELS),
+        help="comma list of models verify runs per attention backend "
+        f"(default: {','.join(verify_runs.DEFAULT_MODELS)})",
+    )
     parser.add_argument(
         "--sizes", default="8000,32000", help="prompt sizes of the 8B-shaped steps, tokens"
     )

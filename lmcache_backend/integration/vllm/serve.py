@@ -113,14 +113,90 @@ def _version_lookup_with_fallback() -> None:
     importlib.metadata.version = version
 
 
+HELP_FLAGS = ("-h", "--help")
+
+
+def help_parser() -> argparse.ArgumentParser:
+    """This command's own arguments, for ``serve --help`` (the command line itself is split by
+    :func:`lmcache_backend.cli._serve_args`: every other option goes to vLLM untouched)."""
+    parser = argparse.ArgumentParser(
+        prog="lmcache-backend serve",
+        usage="lmcache-backend serve [MODEL] [--stats-file PATH] [vllm serve options ...]",
+        description="vLLM's OpenAI-compatible server (vllm serve) with CacheBlendConnector: "
+        "--kv-transfer-config names the connector unless you give one, "
+        "LMCACHE_ENABLE_BLENDING is true unless set, and the configuration, the model and "
+        "(on a CPU) the KV-cache memory are checked before vLLM starts.",
+        epilog="environment: LMCACHE_<KEY> and LMCACHE_CONFIG_FILE configure the connector "
+        "(lmcache-backend config prints the result); on a CPU, VLLM_CPU_KVCACHE_SPACE (GiB of "
+        "KV cache) is chosen from the free memory when neither it, --kv-cache-memory-bytes nor "
+        "--gpu-memory-utilization is given.",
+        add_help=False,
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="a model folder, a .gguf file, a hub repo id, or an embedded model: smollm2 "
+        "(the default; vLLM's own default model does not apply) or gemma3-270m",
+    )
+    parser.add_argument(
+        "--stats-file",
+        metavar="PATH",
+        help="append one JSON line per request the connector saw: blended or not (and why), "
+        "tokens reused and recomputed, blend time (docs/vllm.md)",
+    )
+    parser.add_argument(
+        "-h", "--help", action="store_true", help="this help, then vllm serve's options"
+    )
+    return parser
+
+
+def print_help(vllm_args: list[str]) -> int:
+    """This command's help, then ``vllm serve --help`` (with the help flag the user gave, so
+    ``--help=all`` or ``--help=CacheConfig`` reach vLLM)."""
+    help_parser().print_help()
+    print("\nvllm serve options (passed on unchanged; vLLM's help follows):\n", flush=True)
+    try:
+        _version_lookup_with_fallback()
+        from vllm.entrypoints.cli.main import main as vllm_main
+    except ImportError as exc:
+        print(f"  (vLLM is not installed here: {exc})")
+        return 0
+    given = [a for a in vllm_args if a in HELP_FLAGS or a.startswith("--help=")]
+    sys.argv = ["vllm", "serve", *(given or ["--help"])]
+    try:
+        vllm_main()
+    except SystemExit as exc:  # argparse exits after printing help
+        return int(exc.code or 0)
+    return 0
+
+
+def wants_help(vllm_args: list[str]) -> bool:
+    return any(a in HELP_FLAGS or a.startswith("--help=") for a in vllm_args)
+
+
 def main(args: argparse.Namespace, vllm_args: list[str]) -> int:
-    """Run vLLM's server in this process (it returns when the server stops)."""
+    """Check the configuration, the model and the memory, then run vLLM's server in this
+    process (it returns when the server stops).
+
+    Raises:
+        ConfigError, UsageError: a mistake found before vLLM starts (``lmcache-backend`` prints
+            it as one line).
+    """
+    if wants_help(vllm_args):
+        return print_help(vllm_args)
+    from lmcache_backend.errors import UsageError
+    from lmcache_backend.integration.vllm.serve_checks import preflight
+
     os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
     try:
         argv = vllm_serve_argv(args.model, vllm_args, args.stats_file)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"lmcache-backend serve: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
+    settings, message = preflight(argv)
+    os.environ.update(settings)
+    if message:
+        print(f"lmcache-backend serve: {message}", file=sys.stderr, flush=True)
     _version_lookup_with_fallback()
     from vllm.entrypoints.cli.main import main as vllm_main
 
