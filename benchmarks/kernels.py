@@ -386,7 +386,7 @@ def unavailable_reason() -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError:
-        return "triton is not installed: pip install 'lmcache-backend[cuda]'"
+        return "triton is not installed: this package's [cuda] extra brings it"
     from lmcache_backend.backends.cuda._common import interpret_mode
 
     if interpret_mode():

@@ -25,7 +25,7 @@ from ._common import interpret_mode
 def unavailable_reason() -> str | None:
     """Why the Triton kernels cannot run in this process, or ``None`` when they can."""
     if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install 'lmcache-backend[cuda]')"
+        return "triton is not installed (this package's [cuda] extra brings it)"
     if torch.cuda.is_available() or interpret_mode():
         return None
     return (

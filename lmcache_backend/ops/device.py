@@ -92,7 +92,7 @@ def unsupported_platform_reason(platform: str) -> str | None:
 def npu_unavailable_reason() -> str | None:
     """``None`` when an Ascend NPU is usable, otherwise what is missing, in words."""
     if importlib.util.find_spec("torch_npu") is None:
-        return "torch_npu is not installed (pip install 'lmcache-backend[ascend]')"
+        return "torch_npu is not installed (this package's [ascend] extra brings it)"
     try:
         import torch_npu  # noqa: F401  (registers torch.npu)
     except Exception as exc:  # CANN missing or mismatched raises all sorts of errors
