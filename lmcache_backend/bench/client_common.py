@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,22 @@ from typing import Any
 
 #: The request body field that opts a request out of reuse (a full prefill on the same server).
 OPT_OUT: dict[str, Any] = {"kv_transfer_params": {"blend": False}}
+
+#: How the benchmarks keep a full prefill full, in their output.
+FULL_PREFILL_NOTE = (
+    "full prefill: each request opted out of reuse and given a cache_salt of its own, so "
+    "neither vLLM's prefix cache nor the connector's store serves any of its tokens, whether "
+    "the server runs with prefix caching or not"
+)
+
+
+def full_prefill_body() -> dict[str, Any]:
+    """The body fields of one full-prefill request: opted out of reuse, with a ``cache_salt``
+    never used before. vLLM's prefix cache serves a request only blocks computed under the same
+    salt (and the store keeps salts apart), so the request computes every token even when the
+    same prompt ran just before; without the salt a full prefill sent after its blended twin
+    would be served from the prefix cache, and the TTFT ratio would mean nothing."""
+    return {**OPT_OUT, "cache_salt": f"full-prefill-{uuid.uuid4().hex}"}
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmcache_backend.bench.client_common import OPT_OUT, Answer, stream_answer
+from lmcache_backend.bench.client_common import Answer, full_prefill_body, stream_answer
 
 #: LangChain's documented RAG system prompt (``create_retrieval_chain``'s example).
 STOCK_SYSTEM = (
@@ -40,7 +40,8 @@ SHAPES = ("langchain-stock", "langchain-one-message")
 
 
 class LangChainShape:
-    """One LangChain prompt shape: a blended chain and its opted-out twin."""
+    """One LangChain prompt shape: a blended chain and its full-prefill twin (opted out, a new
+    ``cache_salt`` per request: :func:`~lmcache_backend.bench.client_common.full_prefill_body`)."""
 
     def __init__(
         self, name: str, base_url: str, model: str, max_tokens: int, timeout_s: float
@@ -61,7 +62,7 @@ class LangChainShape:
             raise ValueError(f"unknown LangChain shape {name!r}: one of {SHAPES}")
         self.name = name
 
-        def chain(extra_body: dict[str, Any] | None) -> Any:
+        def chain(extra_body: dict[str, Any] | None) -> tuple[Any, Any]:
             llm = ChatOpenAI(
                 model=model,
                 base_url=f"{base_url}/v1",
@@ -72,9 +73,11 @@ class LangChainShape:
                 max_retries=0,
                 extra_body=extra_body,
             )
-            return create_stuff_documents_chain(llm, prompt)
+            return llm, create_stuff_documents_chain(llm, prompt)
 
-        self._chains = {True: chain(None), False: chain(OPT_OUT)}
+        self._llms, self._chains = {}, {}
+        for blend in (True, False):
+            self._llms[blend], self._chains[blend] = chain(None if blend else full_prefill_body())
 
     def ask(self, docs: list[str], question: str, blend: bool = True) -> Answer:
         from langchain_core.documents import Document
@@ -83,6 +86,8 @@ class LangChainShape:
             "context": [Document(page_content=d) for d in docs],
             self.question_key: question,
         }
+        if not blend:  # the chain holds this model: its next request carries a new salt
+            self._llms[False].extra_body = full_prefill_body()
         return stream_answer(lambda: self._chains[blend].stream(inputs))
 
 

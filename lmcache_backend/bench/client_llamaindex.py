@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmcache_backend.bench.client_common import OPT_OUT, Answer, stream_answer
+from lmcache_backend.bench.client_common import Answer, full_prefill_body, stream_answer
 
 SHAPES = ("llamaindex-completions", "llamaindex-chat")
 
 
 class LlamaIndexShape:
-    """One LlamaIndex prompt shape: a blended synthesizer and its opted-out twin."""
+    """One LlamaIndex prompt shape: a blended synthesizer and its full-prefill twin (opted out,
+    a new ``cache_salt`` per request:
+    :func:`~lmcache_backend.bench.client_common.full_prefill_body`)."""
 
     def __init__(
         self,
@@ -43,7 +45,7 @@ class LlamaIndexShape:
             raise ValueError(f"unknown LlamaIndex shape {name!r}: one of {SHAPES}")
         self.name = name
 
-        def synthesizer(extra_body: dict[str, Any] | None) -> Any:
+        def synthesizer(extra_body: dict[str, Any] | None) -> tuple[Any, Any]:
             llm = OpenAILike(
                 model=model,
                 api_base=f"{base_url}/v1",
@@ -56,11 +58,17 @@ class LlamaIndexShape:
                 max_retries=0,
                 additional_kwargs={"extra_body": extra_body} if extra_body else {},
             )
-            return CompactAndRefine(llm=llm, streaming=True)
+            return llm, CompactAndRefine(llm=llm, streaming=True)
 
-        self._synth = {True: synthesizer(None), False: synthesizer(OPT_OUT)}
+        self._llms, self._synth = {}, {}
+        for blend in (True, False):
+            body = None if blend else full_prefill_body()
+            self._llms[blend], self._synth[blend] = synthesizer(body)
 
     def ask(self, docs: list[str], question: str, blend: bool = True) -> Answer:
+        if not blend:  # the synthesizer holds this model: its next request carries a new salt
+            self._llms[False].additional_kwargs = {"extra_body": full_prefill_body()}
+
         def tokens() -> Any:
             response = self._synth[blend].get_response(question, list(docs))
             return [response] if isinstance(response, str) else response

@@ -6,11 +6,12 @@ example of the dev set:
 
 1. **warm**: the documents in order with a warm-up question (the connector stores them);
 2. **reordered**: the documents reordered with the example's question (never sent before),
-   blended and opted out (``kv_transfer_params={"blend": false}``: a full prefill on the same
-   server); which goes first alternates from example to example;
+   blended and as a full prefill on the same server (opted out, ``kv_transfer_params={"blend":
+   false}``, with a ``cache_salt`` of its own: neither vLLM's prefix cache nor the store serves
+   it, whatever the server's prefix caching); which goes first alternates from example to
+   example;
 3. **new document**: the reordered documents plus one document never sent before (another
-   example's) with that example's question, blended, then opted out (the opted-out request
-   stores what it computes: sent first it would hand the new document to the blended one).
+   example's) with that example's question, blended, then as a full prefill.
 
 TTFT is the time to the first streamed text through the framework's own streaming API. Reuse
 comes from the server's ``stats_file``, one request at a time. See ``docs/benchmarks.md``.
@@ -28,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from lmcache_backend.bench.client_common import Answer, Reuse, StatsFile
+from lmcache_backend.bench.client_common import FULL_PREFILL_NOTE, Answer, Reuse, StatsFile
 
 CLIENTS = {
     "langchain": ("langchain-stock", "langchain-one-message"),
@@ -235,6 +236,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
     )
     if args.url and not args.stats_file:
         print("no --stats-file: every request reads as not blended", file=out)
+    print(FULL_PREFILL_NOTE, file=out)
     vllm_args = SERVER_ARGS + (["--enforce-eager"] if args.eager else [])
     served = bench_server(
         args.url, args.stats_file, vllm_args, env, out, "lmcache-backend-clients-"
@@ -248,6 +250,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
                 "server_env": env,
                 "eager": args.eager,
                 "examples": len(examples),
+                "full_prefill": FULL_PREFILL_NOTE,
                 "load_before": os.getloadavg(),
             }
         }
