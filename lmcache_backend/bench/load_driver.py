@@ -54,9 +54,9 @@ def request_body(
 
 def parse_metrics(text: str) -> dict[str, float]:
     """The connector's counters of :data:`METRIC_COUNTERS`, summed over labels."""
-    from lmcache_backend.demos.server_process import metric_total
+    from lmcache_backend.demos.server_process import metric_totals
 
-    return {name: metric_total(text, name) for name in METRIC_COUNTERS}
+    return metric_totals(text, METRIC_COUNTERS)
 
 
 async def _stream(client: Any, url: str, body: dict[str, Any], t0: float) -> dict[str, Any]:

@@ -3,9 +3,10 @@ server's ``stats_file`` and its ``/metrics``, and the printed table."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 #: the connector's counters read from ``/metrics`` at each window's end (docs/vllm.md, Metrics)
 METRIC_COUNTERS = (
@@ -22,14 +23,9 @@ METRIC_COUNTERS = (
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) by linear interpolation between closest ranks (numpy's
-    default); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """The ``q``-th percentile (0..100), numpy's (linear interpolation between closest ranks);
+    None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 def summarize_phase(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:

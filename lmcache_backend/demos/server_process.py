@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -154,14 +155,21 @@ class ServerProcess:
         self.stop()
 
 
+def metric_totals(metrics_text: str, names: Iterable[str], **labels: str) -> dict[str, float]:
+    """For each name, the sum of the Prometheus samples of that name (``name_total`` for a
+    counter, as exposed) over their labels, or over the samples carrying every label given
+    (``reason="opted out"``); 0 for a name with no sample. Parsed by ``prometheus_client``,
+    the library vLLM serves ``/metrics`` with."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in totals and all(sample.labels.get(k) == v for k, v in labels.items()):
+                totals[sample.name] += sample.value
+    return totals
+
+
 def metric_total(metrics_text: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus metric's samples over its labels (``vllm:num_preemptions_total``),
-    or over the samples carrying every label given (``reason="opted out"``)."""
-    total = 0.0
-    wanted = [f'{key}="{value}"' for key, value in labels.items()]
-    for line in metrics_text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            head = line.rsplit(" ", 1)[0]
-            if all(w in head for w in wanted):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    """One metric of :func:`metric_totals` (``vllm:num_preemptions_total``)."""
+    return metric_totals(metrics_text, [name], **labels)[name]

@@ -322,3 +322,48 @@ def test_a_store_smaller_than_one_requests_chunks_loses_and_mixes_nothing(tmp_pa
     summary = result["phases"]["cacheblend"]["summary"]
     assert summary["completed"] == 12 and summary["errors"] == 0 and summary["mixed_up"] == 0
     assert result["setup"]["server_env"]["LMCACHE_MAX_LOCAL_CPU_SIZE"]
+
+
+#: /metrics as vLLM exposes it: HELP and TYPE lines, label values with spaces, commas and escaped
+#: quotes, a counter whose name is another's prefix, _created samples, a histogram
+METRICS_TEXT = r"""# HELP vllm:cacheblend_requests_total Requests the connector saw.
+# TYPE vllm:cacheblend_requests_total counter
+vllm:cacheblend_requests_total{engine="0",model_name="m",reason="opted out"} 3.0
+vllm:cacheblend_requests_total{engine="0",model_name="m",reason="would not pay"} 2.0
+vllm:cacheblend_requests_total{engine="1",model_name="a \"q\", odd} x",reason="opted out"} 4.0
+vllm:cacheblend_requests_created{engine="0",model_name="m",reason="opted out"} 1.79e+09
+# HELP vllm:cacheblend_requests_blended_total Requests blended.
+# TYPE vllm:cacheblend_requests_blended_total counter
+vllm:cacheblend_requests_blended_total{engine="0",model_name="m"} 7.0
+# HELP vllm:cacheblend_store_bytes Bytes held.
+# TYPE vllm:cacheblend_store_bytes gauge
+vllm:cacheblend_store_bytes{tier="cpu"} 1.5e+06
+vllm:cacheblend_store_bytes{tier="disk"} 0.0
+# HELP vllm:time_to_first_token_seconds TTFT.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_count{model_name="m"} 2.0
+vllm:time_to_first_token_seconds_sum{model_name="m"} 0.35
+"""
+
+
+def test_metrics_are_summed_by_sample_name_and_labels() -> None:
+    from lmcache_backend.demos.server_process import metric_total, metric_totals
+
+    assert metric_total(METRICS_TEXT, "vllm:cacheblend_requests_total") == 9.0
+    assert metric_total(METRICS_TEXT, "vllm:cacheblend_requests_total", reason="opted out") == 7.0
+    odd = metric_total(METRICS_TEXT, "vllm:cacheblend_requests_total", model_name='a "q", odd} x')
+    assert odd == 4.0
+    assert metric_total(METRICS_TEXT, "vllm:cacheblend_store_bytes", tier="cpu") == 1.5e6
+    assert metric_total(METRICS_TEXT, "vllm:time_to_first_token_seconds_count") == 2.0
+    counters = load_driver_counters(METRICS_TEXT)
+    assert counters["vllm:cacheblend_requests_blended_total"] == 7.0
+    assert counters["vllm:cacheblend_store_hits_total"] == 0.0  # absent: 0
+    assert metric_totals("", ["x"]) == {"x": 0.0}
+
+
+def load_driver_counters(text: str) -> dict[str, float]:
+    from lmcache_backend.bench.load_driver import parse_metrics
+
+    return parse_metrics(text)
