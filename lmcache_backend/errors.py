@@ -9,6 +9,7 @@ Anything else is a defect and keeps its traceback.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import traceback
 from typing import TextIO
@@ -51,10 +52,23 @@ def one_line(message: str) -> str:
     return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
 
 
+def _installed(top: str) -> bool:
+    if sys.modules.get(top, False) is None:  # an import of it was blocked
+        return False
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def missing_module_hint(name: str | None) -> str | None:
     """What installs the optional module ``name`` (``llama_index.core`` counts as
-    ``llama_index``); None for a module that is not optional here."""
+    ``llama_index``); None for a module that is not optional here, or whose package is
+    installed (a missing submodule of an installed package is a defect or a version mismatch,
+    and keeps its traceback)."""
     top = (name or "").split(".", 1)[0]
+    if not top or _installed(top):
+        return None
     if top == "vllm":
         return (
             "vLLM is not installed: install this package with the extra of your platform, "

@@ -73,9 +73,14 @@ def test_a_missing_optional_package_names_its_extra(monkeypatch, capsys) -> None
     assert main(["demo", "--engine", "hf", "--repeats", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "transformers" in err and "[hf]" in err, err
+    monkeypatch.setitem(sys.modules, "vllm", None)
     assert "[cuda], [cpu] or [ascend]" in missing_module_hint("vllm.entrypoints")
+    monkeypatch.setitem(sys.modules, "llama_index", None)
     assert missing_module_hint("llama_index.core").endswith("pip install -e '.[clients]')")
-    assert missing_module_hint("lmcache_backend.nothing") is None  # a defect keeps its traceback
+    # a defect keeps its traceback: a module of this package, a submodule an installed package
+    # lacks (a version mismatch, not a missing install)
+    assert missing_module_hint("lmcache_backend.nothing") is None
+    assert missing_module_hint("triton.no_such_module") is None
 
 
 def test_a_long_message_is_cut_to_one_bounded_line() -> None:
