@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
+import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -74,29 +77,47 @@ def unsupported_reason() -> str | None:
     return None
 
 
-#: a build lock older than this was left by a build that died (a build takes about 30 s)
-STALE_LOCK_S = 600.0
-
-
-def remove_stale_build_lock(build: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove ``build``'s ``lock`` if a build that died left it: torch's extension loader waits
-    for that file to disappear, forever, so every later engine start would hang. Returns
-    whether one was removed (logged)."""
-    lock = build / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age_s:
-        return False  # another process may be building right now
-    lock.unlink(missing_ok=True)
-    logger.warning("removed a stale kernel build lock %s (%.0f s old)", lock, age)
-    return True
-
-
 def _cache_dir() -> Path:
     root = os.environ.get("LMCACHE_KERNEL_CACHE") or Path.home() / ".cache/lmcache_backend/kernels"
     return Path(root)
+
+
+def _build(name: str, library: Path) -> ModuleType:
+    """Compile the kernel in a folder of this process's own, then move the library into the
+    cache in one step. No lock is shared between processes: a build that dies (a killed test
+    run, an engine stopped during its first start) leaves only its own folder behind, never a
+    lock another process would wait on forever (torch's loader waits on its ``lock`` file
+    without a time limit); two processes building at once both succeed, the last move wins."""
+    from torch.utils import cpp_extension
+
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # torch runs `ninja` from PATH; the pip-installed one sits next to this interpreter
+    scripts = str(Path(sys.executable).parent)
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    with tempfile.TemporaryDirectory(prefix=f"{name}.build-", dir=library.parent) as build:
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            # copies: torch appends its own flags to these lists
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=build,
+            verbose=False,
+        )
+        # the loaded library stays mapped after its file moves
+        os.replace(Path(build) / f"{name}.so", library)
+    return module
+
+
+def _import_library(name: str, library: Path) -> ModuleType:
+    """Import the Python extension module ``name`` from an already built ``library``."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the kernel library {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,31 +130,16 @@ def load_tiled_attention() -> TiledAttention:
     reason = unsupported_reason()
     if reason is not None:
         raise KernelUnavailable(f"tiled attention {reason}")
-    from torch.utils import cpp_extension
-
     source = SOURCE.read_bytes()
     # one library per source and torch version: an edited kernel is never a stale one
     flags = " ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode()
-    tag = hashlib.sha256(source + flags).hexdigest()[:12]
-    build = _cache_dir() / f"tiled_attention_{tag}"
-    build.mkdir(parents=True, exist_ok=True)
-    remove_stale_build_lock(build)
-    # torch runs `ninja` from PATH; the pip-installed one sits next to this interpreter
-    scripts = str(Path(sys.executable).parent)
-    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    name = f"lmcache_tiled_attention_{hashlib.sha256(source + flags).hexdigest()[:12]}"
+    library = _cache_dir() / f"{name}.so"
     try:
-        module = cpp_extension.load(
-            name=f"lmcache_tiled_attention_{tag}",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            build_directory=str(build),
-            verbose=False,
-        )
-    except (OSError, RuntimeError, ImportError) as exc:
+        module = _import_library(name, library) if library.exists() else _build(name, library)
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"tiled attention did not build: {exc}") from exc
-    logger.info("tiled attention kernel loaded from %s", build)
+    logger.info("tiled attention kernel loaded from %s", library)
 
     def tiled_attention(
         q: torch.Tensor,

@@ -9,6 +9,7 @@ the reason and the connector keeps vLLM's attention (tested here with the loader
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -253,18 +254,59 @@ def test_cpu_backend_serves_attention_at_positions_with_the_kernel() -> None:
     assert "window" in ops.decline_reason("attention_at_positions", *args, window=0)
 
 
-def test_a_stale_build_lock_is_removed(tmp_path, caplog) -> None:
-    """A build killed midway leaves torch's ``lock`` file; the loader would wait for it forever.
-    An old one is removed (logged); a fresh one, a build in progress, is left alone."""
-    import os
-    import time
+def test_a_build_shares_no_lock_and_moves_its_library_in_one_step(tmp_path, monkeypatch) -> None:
+    """Each process compiles in a folder of its own and moves the library into the cache: a
+    build killed midway leaves nothing another process waits on (torch's loader waits on its
+    ``lock`` file without a time limit), and a failed build leaves no library behind."""
+    from torch.utils import cpp_extension
 
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    assert not cpu_kernels.remove_stale_build_lock(tmp_path) and lock.exists()
-    old = time.time() - cpu_kernels.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    with caplog.at_level(logging.WARNING):
-        assert cpu_kernels.remove_stale_build_lock(tmp_path)
-    assert not lock.exists() and "stale kernel build lock" in caplog.text
-    assert not cpu_kernels.remove_stale_build_lock(tmp_path)  # nothing left to remove
+    seen: list[Path] = []
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, build_directory, verbose):
+        build = Path(build_directory)
+        seen.append(build)
+        assert build.parent == tmp_path and not (tmp_path / "lock").exists()
+        (build / "lock").write_text("")  # what torch's loader leaves while it builds
+        (build / f"{name}.so").write_bytes(b"library")
+        return SimpleNamespace(tiled_attention=None)
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    library = tmp_path / "lmcache_tiled_attention_x.so"
+    cpu_kernels._build("lmcache_tiled_attention_x", library)
+    assert library.read_bytes() == b"library"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [library.name]  # its folder is gone
+
+    def failing_load(**kwargs):
+        raise RuntimeError("Error building extension")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    with pytest.raises(RuntimeError):
+        cpu_kernels._build("lmcache_tiled_attention_y", tmp_path / "lmcache_tiled_attention_y.so")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [library.name]
+
+
+@needs_kernel
+def test_a_built_library_is_imported_without_compiling(tmp_path, monkeypatch) -> None:
+    """A library already in the cache is imported as it is; the compiler is not called."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    cpu_kernels.load_tiled_attention()  # the suite's own cache holds it after this
+    built = next(cpu_kernels._cache_dir().glob("lmcache_tiled_attention_*.so"))
+    shutil.copy(built, tmp_path / built.name)
+    monkeypatch.setenv("LMCACHE_KERNEL_CACHE", str(tmp_path))
+
+    def no_compiler(**kwargs):
+        raise AssertionError("compiled although the library was cached")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    cpu_kernels.load_tiled_attention.cache_clear()
+    try:
+        q, positions, k, v = _inputs(64, [5, 40, 63])
+        got = cpu_kernels.load_tiled_attention()(q, positions, k, v, 0.125)
+        torch.testing.assert_close(
+            got.float(), _reference(q, positions, k, v, 0.125), atol=ATOL, rtol=RTOL
+        )
+    finally:
+        cpu_kernels.load_tiled_attention.cache_clear()
