@@ -19,6 +19,8 @@ import torch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engine_contracts"
 CUDA_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
+#: vLLM 0.30+: two of the backends above over one cache, chosen per batch (``composite``).
+COMPOSITE_BACKENDS = ("TRITON_FLASH_ATTN", "TRITON_FLASHINFER")
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,14 @@ GEOMETRIES = {
 
 @dataclass(frozen=True)
 class Recorded:
-    """One recorded (release x backend x layout) tensor.
+    """One recorded (release x backend x layout) tensor, read the way one backend reads it.
 
     Attributes:
         tensor: the fixture's ``registered_tensor[layout]`` (``logical_shape``,
             ``stride_order``, ``physical_shape``).
-        kv_read: the fixture's ``kv_read`` code lines of the backend.
+        kv_read: the fixture's ``kv_read`` code lines of the backend (of a composite backend:
+            those of its child ``reader``).
+        reader: the child of a composite backend whose reads these are; None for a plain one.
     """
 
     version: str
@@ -65,10 +69,12 @@ class Recorded:
     layout: str
     tensor: dict[str, Any]
     kv_read: tuple[str, ...]
+    reader: str | None = None
 
     @property
     def id(self) -> str:
-        return f"{self.version}-{self.backend}-{self.layout}"
+        reader = f"[{self.reader}]" if self.reader else ""
+        return f"{self.version}-{self.backend}{reader}-{self.layout}"
 
 
 def version_key(version: str) -> tuple[int, ...]:
@@ -86,27 +92,46 @@ def load(package: str) -> list[dict[str, Any]]:
     return [json.loads((FIXTURES / e["file"]).read_text()) for e in entries]
 
 
-def recorded_tensors() -> list[Recorded]:
-    """Every (vLLM release x CUDA backend x layout) the fixtures record."""
+def _readers(entry: dict[str, Any]) -> list[tuple[str | None, tuple[str, ...]]]:
+    """``(child, kv_read code lines)``: one plain backend's reads, or each child's of a
+    composite (whose implementation hands the cache unchanged to the child it picks)."""
+    if "composite" not in entry:
+        return [(None, tuple(r["code"] for r in entry["kv_read"]))]
+    children = [entry["composite"][role]["backend"] for role in ("general", "causal")]
+    return [
+        (child, tuple(r["code"] for r in entry["kv_read"] if r["child"] == child))
+        for child in children
+    ]
+
+
+def recorded_tensors(composites: bool = False) -> list[Recorded]:
+    """Every (vLLM release x CUDA backend x layout) the fixtures record; with ``composites``
+    also the composite backends, once per child (the same tensors and reads as the children's
+    own, under the composite's name)."""
     out = []
+    backends = CUDA_BACKENDS + (COMPOSITE_BACKENDS if composites else ())
     for data in load("vllm"):
         if version_key(data["version"]) < (0, 9, 2):
             continue  # vLLM 0.9.1 is recorded as vllm-ascend 0.9.1's pin only: no CUDA path
-        for backend in CUDA_BACKENDS:
+        for backend in backends:
             entry = data["attention_backends"][backend]
+            if entry is None:
+                continue  # a composite before 0.30
             for layout, tensor in sorted(entry["registered_tensor"].items()):
                 if not isinstance(tensor, dict) or "stride_order" not in tensor:
                     continue  # default_layout, note
-                out.append(
-                    Recorded(
-                        data["version"],
-                        backend,
-                        entry["name"][0],
-                        layout,
-                        tensor,
-                        tuple(r["code"] for r in entry["kv_read"]),
+                for reader, kv_read in _readers(entry):
+                    out.append(
+                        Recorded(
+                            data["version"],
+                            backend,
+                            entry["name"][0],
+                            layout,
+                            tensor,
+                            kv_read,
+                            reader,
+                        )
                     )
-                )
     return out
 
 
@@ -204,3 +229,31 @@ def ascend_pair(data: dict[str, Any], geometry: Geometry) -> tuple | list:
         return (k, v)
     assert "kv_caches[layer_name] = kv_cache_list" in stores
     return [k, v]
+
+
+def helper_rows(
+    helper: dict[str, Any],
+    cache: torch.Tensor,
+    geometry: Geometry,
+    blocks: list[int],
+    offsets: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, H, D]`` K and V at ``(block, offset)`` pairs, read through a recorded helper such
+    as vLLM 0.9.2-0.10.2's ``PagedAttention.split_kv_cache`` (a ``kv_read_helpers`` entry): its
+    body is run on ``cache``; the K view it returns is ``[NB, H, D/x, BS, x]`` and the V view
+    ``[NB, H, D, BS]``, the layout of vLLM's prefill/decode kernels."""
+    scope: dict[str, Any] = {
+        "kv_cache": cache,
+        "num_kv_heads": geometry.heads,
+        "head_size": geometry.head_dim,
+    }
+    body = "\n".join(helper["body"]).replace("return ", "_k, _v = ")
+    exec(body, {"__builtins__": {}}, scope)
+    k_cache, v_cache = scope["_k"], scope["_v"]
+    nb, h, d = geometry.num_blocks, geometry.heads, geometry.head_dim
+    assert k_cache.dim() == 5 and k_cache.shape[:3] == (nb, h, d // k_cache.shape[4])
+    assert tuple(v_cache.shape) == (nb, h, d, geometry.block_size)
+    b = torch.as_tensor(blocks, dtype=torch.long, device=cache.device)
+    o = torch.as_tensor(offsets, dtype=torch.long, device=cache.device)
+    # slices between the two index tensors: the indexed dim comes first, [T, H, D/x, x]
+    return k_cache[b, :, :, o, :].reshape(len(b), h, d), v_cache[b, :, :, o]

@@ -21,18 +21,22 @@ from lmcache_backend.compat.versions import (
     release,
     vkey,
 )
-from lmcache_backend.compat.vllm import (
-    CHECKED_SUMMARY,
-    CHECKED_WITHOUT_ENGINE,
-    PROFILES,
-    VERIFIED_ON_ENGINE,
-)
+from lmcache_backend.compat.vllm import CHECKED_SUMMARY, PROFILES, VERIFIED_ON_ENGINE
 
 
 class Status(str, Enum):
+    """A row's standing: ``stable`` (run on a real engine, or published so by LMCache),
+    ``checked`` (runs; checked without a GPU or NPU engine: its source contract and the
+    connector's path on CPU tensors shaped as the release hands its cache over), or refused."""
+
     STABLE = "stable"
+    CHECKED = "source contract + CPU-tensor path"
     UNSUPPORTED = "unsupported"
     CONFLICT = "conflict"
+
+    @property
+    def runs(self) -> bool:
+        return self in (Status.STABLE, Status.CHECKED)
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class MatrixRow:
     Attributes:
         vllm: the vLLM release, or the first of a range of releases (``vllm_last``).
         lmcache: the LMCache release; None for this package's own, LMCache-free rows.
-        status: stable, unsupported or conflicting.
+        status: stable, checked (without an engine), unsupported or conflicting.
         note: how the row is verified, or what to install instead.
         vllm_last: the last release of the range starting at ``vllm`` (None: one release).
         vllm_ascend: the vllm-ascend release of an NPU row (``vllm`` is the one it pins).
@@ -79,19 +83,21 @@ _LMCACHE_ROWS: tuple[MatrixRow, ...] = (
 
 
 def _engine_rows() -> tuple[MatrixRow, ...]:
-    """Releases run on a real engine first (an exact row wins over the range holding it), then
-    one row per code path, then the vllm-ascend releases."""
-    rows = [
-        MatrixRow(v, None, Status.STABLE, "; ".join([*how.values(), CHECKED_SUMMARY]))
-        for v, how in VERIFIED_ON_ENGINE.items()
-    ]
+    """Releases run on a real engine first (an exact row wins over the range holding it): stable
+    on the platforms named, checked on the others; then one row per code path and the
+    vllm-ascend releases, checked without an engine."""
+    rows = []
+    for v, how in VERIFIED_ON_ENGINE.items():
+        note = f"{'; '.join(how.values())}; other platforms: {Status.CHECKED.value}"
+        rows.append(MatrixRow(v, None, Status.STABLE, note))
     for p in PROFILES:
-        note = CHECKED_SUMMARY if p.has_cpu_path else f"{CHECKED_SUMMARY}; no CPU code path"
+        cpu = "CPU: source contract only" if p.has_cpu_path else "no CPU code path"
         last = p.last if p.last != p.first else None
-        rows.append(MatrixRow(p.first, None, Status.STABLE, note, vllm_last=last))
+        note = f"{CHECKED_SUMMARY}; {cpu}"
+        rows.append(MatrixRow(p.first, None, Status.CHECKED, note, vllm_last=last))
     for a in ASCEND_RELEASES:
-        status = Status.STABLE if a.supported else Status.UNSUPPORTED
-        note = a.note or CHECKED_WITHOUT_ENGINE["npu"]
+        status = Status.CHECKED if a.supported else Status.UNSUPPORTED
+        note = a.note or "Ascend-shaped caches, torch-npu emulated"
         rows.append(MatrixRow(a.vllm, None, status, note, vllm_ascend=a.version))
     return tuple(rows)
 
@@ -116,27 +122,24 @@ def matrix_row(
 
 
 def supported_rows(with_lmcache: bool) -> list[MatrixRow]:
-    """The stable rows with LMCache, or this package's own vLLM rows (no vllm-ascend)."""
+    """The rows that run with LMCache, or this package's own vLLM rows (no vllm-ascend)."""
     return [
         r
         for r in MATRIX
-        if r.status is Status.STABLE
-        and (r.lmcache is not None) == with_lmcache
-        and r.vllm_ascend is None
+        if r.status.runs and (r.lmcache is not None) == with_lmcache and r.vllm_ascend is None
     ]
 
 
 def check_supported(vllm: str | None, lmcache: str | None, force: bool = False) -> MatrixRow | None:
-    """Return the stable row for this combination; raise :class:`UnsupportedVersions` otherwise.
+    """Return the row that runs this combination; raise :class:`UnsupportedVersions` otherwise.
 
     With ``force`` a combination outside the matrix is allowed (returns None); a row marked
     unsupported or conflicting is refused even then.
     """
     row = matrix_row(vllm, lmcache)
-    if row is not None and row.status is Status.STABLE:
+    if row is not None and row.status.runs:
         return row
-    stable = supported_rows(lmcache is not None)
-    options = "; ".join(r.describe() for r in stable)
+    options = "; ".join(r.describe() for r in supported_rows(lmcache is not None))
     if row is not None:
         raise UnsupportedVersions(f"{row.describe()}. Supported: {options}")
     if force:

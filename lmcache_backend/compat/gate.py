@@ -3,7 +3,8 @@
 :func:`decide` is the whole policy, a pure function of the installed versions, the platform and
 ``allow_untested_versions``; every outcome is one line naming what to install when it refuses:
 
-* a release inside a code path's range runs it (``stable``, verified on source or on an engine);
+* a release inside a code path's range runs it (``stable`` where an engine ran it on that
+  platform, else what was checked without one: its source contract and the CPU-tensor path);
 * a recorded release no code path serves (vLLM 0.9.1), a platform without support (ROCm, XPU)
   and a code path without a CPU backend on CPU are refused, whatever the setting;
 * a release between two ranges (0.10.1, 0.11.1) has no record: it runs the code path whose
@@ -28,7 +29,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmcache_backend.compat import MatrixRow, Status, matrix_row
+from lmcache_backend.compat import MatrixRow, matrix_row
 from lmcache_backend.compat.ascend import ascend_release, nearest_ascend, supported_ascend
 from lmcache_backend.compat.profile import VllmProfile
 from lmcache_backend.compat.versions import UnsupportedVersions, Versions, detect_versions, vkey
@@ -186,7 +187,7 @@ def decide(
         return _refuse(refusal)
     if versions.lmcache is not None:
         row = matrix_row(versions.vllm, versions.lmcache)
-        if row is not None and row.status is not Status.STABLE:
+        if row is not None and not row.status.runs:
             return _refuse(row.describe())
     vllm = core_of(versions.vllm) or versions.vllm
     where = f"vLLM {vllm}"
@@ -227,7 +228,7 @@ def decide(
         row = matrix_row(vllm, None)
     notes += [why] if why else []
     untested = untested or bool(notes)
-    how = ("; ".join(notes)) if notes else f"stable, {verification(vllm, platform)}"
+    how = ("; ".join(notes)) if notes else verification(vllm, platform)
     message = f"{where} on {_platform_name(platform)}: runs the {profile.name} code path ({how})"
     return Decision(True, message, profile, row if not untested else None, untested)
 

@@ -119,7 +119,8 @@ class VllmProfile:
             None where the integration has no CPU code path for these releases.
         cpu_cache_write_params: the parameters the CPU layout passes to that op.
         kv_cache_layouts: what ``register_kv_caches`` receives, by platform (``"cuda"``,
-            ``"cpu"``), from the backend vLLM picks there by default.
+            ``"cpu"``), from the backend vLLM picks there by default; ``"cuda-sm100"``: on
+            Blackwell, where vLLM prefers FlashInfer.
         release: the installed release this profile was resolved for (``first`` in the table).
     """
 

@@ -15,14 +15,18 @@ code path      what changes at its first release
 0.11.2         ``kv_cache_config`` constructor argument, connector created after the model is
                loaded, ``embed_input_ids``, ``resumed_req_ids``, ``has_connector_metadata``
 0.12.0-0.20.2  the V2 model runner exists (``VLLM_USE_V2_MODEL_RUNNER=1``)
-0.21.0-0.22.1  the connector factory refuses a constructor without ``kv_cache_config``; the
-               V2 runner is the default for some architectures from 0.22.1
+0.21.0-0.22.1  the connector factory refuses a constructor without ``kv_cache_config``
 0.23.0-0.25.1  per-layer KV caches ``[num_blocks, 2, ...]`` (flash-attention) and
                ``[num_blocks, H, block_size, 2*D]`` (CPU): the CPU code path starts here
 0.26.0-0.28.0  flash-attention caches: ``[num_blocks, H, block_size, 2*D]`` views of
                ``[num_blocks, block_size, H, 2*D]``
-0.29.0-0.33.0  ``KVCacheLayout`` (LBNHC / LBHNC views); the V2 runner is the default on CUDA
+0.29.0-0.33.0  ``KVCacheLayout`` (LBNHC / LBHNC views)
 =============  =============================================================================
+
+Which model runner vLLM builds by default changes inside these ranges and does not change the
+code path (the plugin wraps both runners): the V2 runner is the default for a few listed dense
+architectures in 0.22.1-0.24.0, for every dense (non-MoE) model from 0.25.1 and for every model
+from 0.29.0 (:data:`V2_RUNNER_DEFAULT`).
 
 A release between two recorded ones maps to the range holding both; one between two ranges
 (0.10.1, 0.11.1) has no record, and the gate (:mod:`lmcache_backend.compat.gate`) picks the code
@@ -57,6 +61,17 @@ def _runners(v2: bool) -> dict[str, tuple[Runner, ...]]:
 
 
 _FLASH_NHD = KvCacheLayout("FLASH_ATTN", "NHD", ("2", "num_blocks", "block_size", *_HEAD))
+#: On SM100 (Blackwell) vLLM prefers FLASHINFER and has it read HND (0.10.0-0.28.0: the platform's
+#: ``set_kv_cache_layout("HND")``, then ``get_required_kv_cache_layout``) or LBHNC (0.29+:
+#: ``supported_kv_cache_layouts``): the ``"cuda-sm100"`` entries of ``kv_cache_layouts``.
+_SM100 = "on SM100 / Blackwell, where vLLM prefers FlashInfer"
+_FLASHINFER_HND = KvCacheLayout(
+    "FLASHINFER",
+    "HND",
+    ("num_blocks", "2", "block_size", *_HEAD),
+    ("num_blocks", "2", "num_kv_heads", "block_size", "head_size"),
+    note=_SM100,
+)
 
 _OLDEST = VllmProfile(
     first="0.9.2",
@@ -87,6 +102,7 @@ _P0102 = _next(
     "0.10.2",
     rotary_path="vllm/model_executor/layers/rotary_embedding/base.py",
     sliced_loads=True,
+    kv_cache_layouts={"cuda": _FLASH_NHD, "cuda-sm100": _FLASHINFER_HND},
 )
 _P0110 = _next(_P0102, "0.11.0", "0.11.0", compute_logits_params=("hidden_states",))
 _P0112 = _next(
@@ -100,6 +116,7 @@ _P0112 = _next(
     resumed_field="resumed_req_ids",
     kv_cache_layouts={
         "cuda": _FLASH_NHD,
+        "cuda-sm100": _FLASHINFER_HND,
         "cpu": KvCacheLayout(
             "CPU_ATTN", "NHD", ("2", "num_blocks", "num_kv_heads", "block_size", "head_size")
         ),
@@ -118,6 +135,7 @@ _P0230 = _next(
     cpu_cache_write_params=_CPU_OP_PARAMS + _CPU_OP_SCALES,
     kv_cache_layouts={
         "cuda": KvCacheLayout("FLASH_ATTN", "NHD", ("num_blocks", "2", "block_size", *_HEAD)),
+        "cuda-sm100": _FLASHINFER_HND,
         "cpu": _CPU_PACKED,
     },
 )
@@ -131,6 +149,12 @@ _P0260 = _next(
             "NHD",
             ("num_blocks", "num_kv_heads", "block_size", "2 * head_size"),
             ("num_blocks", "block_size", "num_kv_heads", "2 * head_size"),
+        ),
+        "cuda-sm100": KvCacheLayout(
+            "FLASHINFER",
+            "HND",
+            ("num_blocks", "num_kv_heads", "block_size", "2 * head_size"),
+            note=_SM100,
         ),
         "cpu": _CPU_PACKED,
     },
@@ -147,6 +171,7 @@ _P0290 = _next(
             _VIEW,
             ("num_blocks", "block_size", "num_kv_heads", "head_size + head_size_v"),
         ),
+        "cuda-sm100": KvCacheLayout("FLASHINFER", "LBHNC", _VIEW, note=_SM100),
         "cpu": KvCacheLayout("CPU_ATTN", "LBHNC", _VIEW),
     },
 )
@@ -173,26 +198,67 @@ INCOMPATIBLE: dict[str, str] = {
     "req_ids, from 0.9.2)",
 }
 
+#: Which models vLLM builds on its V2 model runner by default (without
+#: ``VLLM_USE_V2_MODEL_RUNNER``), by range of recorded releases ``(first, last, models)``, read
+#: from ``vllm/config/vllm.py::VllmConfig.use_v2_model_runner`` and
+#: ``_is_default_v2_model_runner_model``. Even then V1 runs where Triton is missing or the V2
+#: runner lacks a feature the configuration uses.
+V2_RUNNER_DEFAULT: tuple[tuple[str, str, str], ...] = (
+    ("0.12.0", "0.21.0", "none (only with VLLM_USE_V2_MODEL_RUNNER=1)"),
+    ("0.22.1", "0.22.1", "Qwen3ForCausalLM, unless MoE or quantized"),
+    (
+        "0.23.0",
+        "0.23.0",
+        "LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM, unless MoE or quantized",
+    ),
+    (
+        "0.24.0",
+        "0.24.0",
+        "the listed architectures only (DeepseekV2ForCausalLM, GraniteMoeForCausalLM, "
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM)",
+    ),
+    (
+        "0.25.1",
+        "0.28.0",
+        "every dense (non-MoE) generative model and a few listed MoE architectures, unless "
+        "hybrid or attention-free",
+    ),
+    ("0.29.0", "0.33.0", "every model (on ROCm some architectures keep V1)"),
+)
+
+
+def v2_runner_default(version: str) -> str | None:
+    """Which models ``version`` runs on the V2 runner by default; None outside the recorded
+    ranges (before the V2 runner, between two ranges, after the newest)."""
+    core = release(version)
+    for first, last, models in V2_RUNNER_DEFAULT if core else ():
+        if vkey(first) <= vkey(core) <= vkey(last):  # type: ignore[arg-type]
+            return models
+    return None
+
+
 SOURCE_ONLY = "source contract only"
 
 #: How a release that no real engine ran is verified, by platform: its source contract, and on
 #: CUDA and Ascend the connector's whole worker path on CPU tensors shaped as the release hands
-#: its KV cache over (Triton kernels under the interpreter, torch-npu ops emulated).
+#: its KV cache over (Triton kernels under the interpreter, torch-npu ops emulated). A release
+#: counts as run on CUDA only once docs/hardware.md records a vLLM engine run of it.
 CHECKED_WITHOUT_ENGINE: dict[str, str] = {
-    "cuda": "source contract, CUDA-shaped path on CPU tensors",
-    "npu": "source contract, Ascend-shaped path on emulated torch-npu",
+    "cuda": "source contract + CPU-tensor path",
+    "npu": "source contract + CPU-tensor path, torch-npu emulated",
 }
-#: The matrix rows' summary of the same (rows are not per platform).
-CHECKED_SUMMARY = "source contract; CUDA- and Ascend-shaped paths on CPU tensors"
+#: What the matrix rows' CPU-tensor paths are shaped as (rows are not per platform).
+CHECKED_SUMMARY = "CUDA- and Ascend-shaped caches"
 
 #: Releases run on a real engine, by platform; everything else is checked without one.
 VERIFIED_ON_ENGINE: dict[str, dict[str, str]] = {"0.32.0": {"cpu": "CPU build, real engine"}}
 
 
 def verification(version: str, platform: str) -> str:
-    """How ``version`` is verified on ``platform``: on a real engine, or without one."""
+    """How ``version`` is verified on ``platform``: ``stable`` with the engine it ran on, or
+    what was checked without one."""
     ran = VERIFIED_ON_ENGINE.get(release(version) or "", {}).get(platform)
-    return ran or CHECKED_WITHOUT_ENGINE.get(platform, SOURCE_ONLY)
+    return f"stable: {ran}" if ran else CHECKED_WITHOUT_ENGINE.get(platform, SOURCE_ONLY)
 
 
 def profile_for(version: str | None) -> VllmProfile | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from functools import cache
 from pathlib import Path
 
@@ -23,7 +24,13 @@ from lmcache_backend.compat.probe import SourceTree, missing_symbols
 from lmcache_backend.compat.profile import CPU, GPU_V1, GPU_V2, NPU_V1, VllmProfile
 from lmcache_backend.compat.symbols import CONNECTOR_BASE, Symbol
 from lmcache_backend.compat.versions import release, vkey
-from lmcache_backend.compat.vllm import INCOMPATIBLE, PROFILES, neighbours, profile_for
+from lmcache_backend.compat.vllm import (
+    INCOMPATIBLE,
+    PROFILES,
+    VERIFIED_ON_ENGINE,
+    neighbours,
+    profile_for,
+)
 
 CONTRACTS = FIXTURES / "engine_contracts"
 CONNECTOR_SOURCE = REPO_ROOT / "lmcache_backend/integration/vllm/connector.py"
@@ -330,6 +337,109 @@ def test_the_cpu_code_path_exists_exactly_where_the_cpu_layout_is_read(
         names(op["params"])
     )
     assert profile.has_cpu_path == (shape_fits and op_fits)
+
+
+def _sm100_order(data: dict) -> str | None:
+    """The layout vLLM has FLASHINFER read on SM100 (device capability major 10): required
+    (0.11.2-0.28), the default of its supported layouts (0.29+), or forced by the CUDA
+    platform's ``set_kv_cache_layout('HND')`` (0.10.x-0.11.0, on capability 100)."""
+    entry = data["attention_backends"]["FLASHINFER"] or {}
+    for r in (entry.get("required_kv_cache_layout") or {}).get("returns", []):
+        if "major == 10" in (r["when"] or ""):
+            return r["value"].strip("'")
+    for r in (entry.get("registered_tensor") or {}).get("default_layout", []):
+        if "major == 10" in (r["when"] or ""):
+            return r["layout"]
+    for f in data["kv_cache_layout"].get("forced_by", []):
+        if f["source"].startswith("vllm/platforms/cuda.py::") and "'HND'" in f["call"]:
+            return "HND"
+    return None
+
+
+@pytest.mark.parametrize("name,version", claimed())
+def test_the_sm100_layout_is_flashinfers_there(name: str, version: str) -> None:
+    """``doctor``'s "KV-cache layout, SM100" row: FLASHINFER's registered tensor in the layout
+    vLLM resolves on Blackwell (HND up to 0.28, LBHNC from 0.29)."""
+    profile = profile_for(version)
+    data = fixture("vllm", version)
+    order = _sm100_order(data)
+    layout = profile.kv_cache_layouts.get("cuda-sm100")
+    if layout is None:
+        # 0.9.2 leaves FlashInfer's layout alone on SM100 and 0.10.0 forces HND: one code path
+        # without one answer, so none is claimed
+        assert profile.first == "0.9.2" and order in (None, "HND"), (version, order)
+        return
+    assert order is not None, f"{version} records no SM100 layout"
+    tensor = data["attention_backends"]["FLASHINFER"]["registered_tensor"][order]
+    assert (layout.backend, layout.order) == ("FLASHINFER", order)
+    assert list(layout.shape) == tensor["logical_shape"]
+    assert list(layout.memory or layout.shape) == tensor["physical_shape"]
+
+
+def _v2_default_facts(data: dict) -> tuple[str, list[str]]:
+    """``(kind, architectures)`` of a release's default V2-runner choice: ``none`` (no default
+    path), ``all``, ``listed`` (the listed architectures only), ``listed-dense`` (listed, unless
+    MoE or quantized) or ``dense`` (every non-MoE model and the listed ones)."""
+    selection = data["model_runner_selection"]
+    use = selection.get("use_v2_model_runner")
+    if use is None:
+        return "none", []
+    archs = selection.get("default_v2_architectures") or []
+    default = selection.get("is_default_v2_model_runner_model")
+    if default is None:
+        assert use["returns"][-1] == {"value": True, "when": None}
+        return "all", []
+    last = default["returns"][-1]["value"]
+    if "or not model_config.is_moe" in last:
+        return "dense", archs
+    if "not model_config.is_moe and (not model_config.is_quantized)" == last:
+        return "listed-dense", archs
+    assert last.startswith("any((arch in DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES"), last
+    return "listed", archs
+
+
+@pytest.mark.parametrize("version", [v for v in recorded("vllm") if vkey(v) >= vkey("0.12.0")])
+def test_the_v2_runner_default_is_the_releases(version: str) -> None:
+    """``V2_RUNNER_DEFAULT`` (the compat table's text and ``doctor``) against the release's
+    ``use_v2_model_runner``: dense models from 0.25.1, not only from 0.29."""
+    from lmcache_backend.compat.vllm import v2_runner_default
+
+    kind, archs = _v2_default_facts(fixture("vllm", version))
+    text = v2_runner_default(version)
+    assert text is not None, f"V2_RUNNER_DEFAULT has no row for {version}"
+    expected = {
+        "none": "none (only with VLLM_USE_V2_MODEL_RUNNER=1)",
+        "all": "every model",
+        "dense": "every dense (non-MoE) generative model",
+        "listed-dense": "unless MoE or quantized",
+        "listed": "the listed architectures only",
+    }[kind]
+    assert expected in text, (version, kind, text)
+    if kind in ("listed", "listed-dense"):
+        assert all(a in text for a in archs), (version, archs, text)
+
+
+def _hardware_engine_runs(text: str) -> set[tuple[str, str]]:
+    """``(vLLM release, platform)`` of every section of docs/hardware.md whose version line names
+    a vLLM release and whose table has a passing ``verify`` row (a real engine's run)."""
+    runs = set()
+    for section in text.split("\n### ")[1:]:
+        heading, _, body = section.partition("\n")
+        version = re.search(r"\bvLLM (\d+\.\d+\.\d+)", body.split("\n|", 1)[0])
+        verified = re.search(r"^\| verify \|[^|]*\| pass \|", body, re.MULTILINE)
+        if version and verified:
+            platform = "npu" if re.search(r"Ascend|NPU", heading) else "cuda"
+            runs.add((version.group(1), platform))
+    return runs
+
+
+def test_a_gpu_or_npu_release_is_stable_only_where_hardware_md_records_its_run() -> None:
+    """``stable`` on CUDA or Ascend needs a vLLM engine run recorded in docs/hardware.md (none
+    yet: the one GPU run had no vLLM), else doctor says "source contract + CPU-tensor path"."""
+    runs = _hardware_engine_runs((REPO_ROOT / "docs" / "hardware.md").read_text())
+    for version, platforms in VERIFIED_ON_ENGINE.items():
+        for platform in set(platforms) & {"cuda", "npu"}:
+            assert (version, platform) in runs, f"{version} on {platform}: no run in hardware.md"
 
 
 # -- vllm-ascend ---------------------------------------------------------------------------------

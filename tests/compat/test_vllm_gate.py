@@ -120,8 +120,9 @@ def test_gate_decides_what_the_docs_say(release, platform, path, cell, verified)
         assert d.runs and d.profile.name == f"vLLM {path}", message
         assert d.profile.release == release
         how = "CPU build, real engine" if (release, platform) == ("0.32.0", "cpu") else None
-        without = "source contract, CUDA-shaped path" if platform == "cuda" else "source contract"
+        without = "source contract + CPU-tensor path" if platform == "cuda" else "source contract"
         assert (how or without) in message and (how or without) in verified
+        assert ("stable" in message) == (how is not None), message  # only what an engine ran
 
         assert forced.runs and forced.profile == d.profile
     elif cell.startswith("refused"):

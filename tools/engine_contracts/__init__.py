@@ -14,9 +14,11 @@ Modules:
 - ``sources``: a release's sources and the ``ast`` helpers (definitions, parameters, attributes,
   calls with their if-tests).
 - ``symbolic``: return statements with their conditions, symbolic dims, stride orders.
-- ``vllm_layout``, ``vllm_attention``, ``vllm_kv_caches``, ``vllm_connector``, ``vllm_hooks``,
-  ``vllm_runner``: the sections of a vLLM fixture (``vllm_paths``: paths several of them read);
-  ``vllm_record`` puts them together.
+- ``vllm_layout``, ``vllm_attention`` (with ``vllm_read_helpers``: reads of ``kv_cache``
+  through a helper and the variables choosing them; ``vllm_composite``: backends composed of
+  two others), ``vllm_kv_caches``, ``vllm_connector``, ``vllm_hooks``, ``vllm_runner``: the
+  sections of a vLLM fixture (``vllm_paths``: paths several of them read); ``vllm_record`` puts
+  them together.
 - ``ascend``: a vllm-ascend fixture.
 - ``annotations``: the facts read by hand.
 - ``output``: the JSON writer and ``index.json``; ``cli``: the command line.

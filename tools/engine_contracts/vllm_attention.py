@@ -1,6 +1,7 @@
 """vLLM ``attention_backends``: each backend's KV-cache shape and stride order, the layouts it
-requires or supports, how its implementation takes K and V out of ``kv_cache``, and the per-layer
-tensor ``register_kv_caches`` receives (``registered_tensor``)."""
+requires or supports, how its implementation takes K and V out of ``kv_cache`` (``kv_read``, and
+through helpers: ``kv_read_helpers``), and the per-layer tensor ``register_kv_caches`` receives
+(``registered_tensor``); then the composite backends built from them (``vllm_composite``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import Any
 
 from .sources import FuncDef, Sources, class_method, find_class, own_nodes, params, src
 from .symbolic import layout_returns, returned_shapes, returns, stride_orders
+from .vllm_composite import composite_backends
 from .vllm_paths import BACKENDS_DIR
+from .vllm_read_helpers import kv_read_helpers
 
 BACKEND_FILES = {
     "FLASH_ATTN": "flash_attn.py",
@@ -139,8 +142,10 @@ def attention_backends(s: Sources, layout: dict[str, Any]) -> dict[str, Any]:
         impl = impl_class_name(cls)
         entry["impl"] = impl
         entry["kv_read"] = kv_reads(tree, impl, path)  # type: ignore[arg-type]
+        entry["kv_read_helpers"] = kv_read_helpers(s, tree, impl, path)  # type: ignore[arg-type]
         entry["registered_tensor"] = registered_tensor(entry, enum, default_pref)
         out[key] = entry
+    out.update(composite_backends(s, out, layout, BACKEND_FILES))
     return out
 
 

@@ -58,7 +58,9 @@ def _engine_rows(platform: str, engine_here: bool, versions: Any = None) -> list
     from lmcache_backend.compat import matrix_row
     from lmcache_backend.compat.ascend import NPU_KV_CACHE_LAYOUT
     from lmcache_backend.compat.gate import decide, installed_probe
+    from lmcache_backend.compat.profile import GPU_V2
     from lmcache_backend.compat.versions import detect_versions
+    from lmcache_backend.compat.vllm import v2_runner_default
 
     what_if = versions is not None
     versions = versions or detect_versions()
@@ -86,8 +88,15 @@ def _engine_rows(platform: str, engine_here: bool, versions: Any = None) -> list
     rows.append(("attention path", ATTENTION_PATHS.get(platform, "none")))
     layout = NPU_KV_CACHE_LAYOUT if platform == "npu" else profile.kv_cache_layouts.get(platform)
     rows.append(("KV-cache layout", layout.describe() if layout else "not recorded"))
+    sm100 = profile.kv_cache_layouts.get("cuda-sm100") if platform == "cuda" else None
+    if sm100 is not None:
+        rows.append(("KV-cache layout, SM100", sm100.describe()))
     runners = ", ".join(r.label for r in profile.runners(platform)) or "none"
     rows.append(("model runners", runners))
+    # vLLM's own choice; vllm-ascend decides for itself on an NPU
+    v2_default = v2_runner_default(profile.release) if platform == "cuda" else None
+    if v2_default is not None and GPU_V2 in profile.runners(platform):
+        rows.append(("V2 runner by default for", v2_default))
     return rows
 
 

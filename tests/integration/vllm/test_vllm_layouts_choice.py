@@ -156,6 +156,7 @@ def test_the_worker_takes_ascend_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
             static_forward_context={n: SimpleNamespace(attn_backend=Ascend) for n in names}
         ),
     )
+    monkeypatch.setattr(worker_module, "detect_platform", lambda: "npu")  # read at construction
     worker = WorkerSide(
         SimpleNamespace(
             selected_attention="vllm", config=SimpleNamespace(backend="torch"), tp_size=1
@@ -166,7 +167,6 @@ def test_the_worker_takes_ascend_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     caches = {n: _pair((NB, BS, H, D)) for n in reversed(names)}
     worker.register_kv_caches(caches)
     assert worker.caches == [caches[n] for n in names]
-    monkeypatch.setattr(worker_module, "detect_platform", lambda: "npu")
     model = SimpleNamespace(num_kv_heads=H, head_dim=D)
     worker.layout = worker._make_layout(model, get_ops("torch"))
     assert (worker.layout.backend, worker.layout.kernel_block_size) == ("CUSTOM", BS)

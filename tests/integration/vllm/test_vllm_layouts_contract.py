@@ -1,6 +1,9 @@
 """Contract tests: for every KV cache form a released vLLM wheel (0.9.2-0.33.0, FLASH_ATTN,
-FLASHINFER, TRITON_ATTN, each recorded layout) or vllm-ascend release hands a connector, the
-layout :func:`layout_for` picks writes K/V rows exactly where that backend reads them.
+FLASHINFER, TRITON_ATTN, each recorded layout; from 0.30 the composites TRITON_FLASH_ATTN and
+TRITON_FLASHINFER, read as each of their two children reads) or vllm-ascend release hands a
+connector, the layout :func:`layout_for` picks writes K/V rows exactly where that backend reads
+them; a recorded read in another element order (0.9.2-0.10.2 TRITON_ATTN under
+``VLLM_V1_USE_PREFILL_DECODE_ATTENTION``) is refused when its variable is set.
 
 The caches are tensors shaped and strided as recorded from the released packages
 (``tests/fixtures/engine_contracts``, see ``engine_cache_forms.py``), NaN-filled. Rows are written
@@ -14,6 +17,7 @@ recorded forms; only the Triton case is a run on a GPU, and none is a run on an 
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
@@ -21,6 +25,8 @@ import npu_emulation
 import pytest
 import torch
 from engine_cache_forms import (
+    COMPOSITE_BACKENDS,
+    CUDA_BACKENDS,
     GEOMETRIES,
     Geometry,
     Recorded,
@@ -28,17 +34,23 @@ from engine_cache_forms import (
     backend_rows,
     build_cache,
     build_layer_of_shared_buffer,
+    helper_rows,
     load,
     recorded_tensors,
     version_key,
 )
 from numerics import DEVICE
 
-from lmcache_backend.integration.vllm.layouts import DeviceLayout, layout_for, slots_for
+from lmcache_backend.integration.vllm.layouts import (
+    DeviceLayout,
+    UnsupportedKVCache,
+    layout_for,
+    slots_for,
+)
 from lmcache_backend.integration.vllm.layouts.device import CacheForm
 from lmcache_backend.ops import get_ops, implementations
 
-RECORDED = recorded_tensors()
+RECORDED = recorded_tensors(composites=True)
 ASCEND = load("vllm-ascend")
 # (release, member, stride order over [L, B, H, N, C]) of every 0.29+ KVCacheLayout member
 SHARED_BUFFER_LAYOUTS = [
@@ -165,9 +177,53 @@ def test_every_release_and_backend_is_covered() -> None:
     assert len(releases) == 27 and min(releases, key=version_key) == "0.9.2"
     assert max(releases, key=version_key) == "0.33.0"
     for version in releases:
-        for backend in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"):
+        for backend in CUDA_BACKENDS:
             layouts = {r.layout for r in RECORDED if (r.version, r.backend) == (version, backend)}
             assert layouts in ({"NHD", "HND"}, {"LBNHC", "LBHNC"}), (version, backend, layouts)
+    # the composites exist from 0.30 (none in 0.29); each is read as both its children read
+    composites = {(r.version, r.backend, r.reader, r.layout) for r in RECORDED if r.reader}
+    children = {"TRITON_FLASH_ATTN": "FLASH_ATTN", "TRITON_FLASHINFER": "FLASHINFER"}
+    assert composites == {
+        (version, name, reader, layout)
+        for version in ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+        for name in COMPOSITE_BACKENDS
+        for reader in ("TRITON_ATTN", children[name])
+        for layout in ("LBNHC", "LBHNC")
+    }
+
+
+COMPOSITES = [
+    (data["version"], name, data["attention_backends"])
+    for data in load("vllm")
+    for name in COMPOSITE_BACKENDS
+    if data["attention_backends"][name] is not None
+]
+
+
+@pytest.mark.parametrize(
+    ("version", "name", "backends"), COMPOSITES, ids=[f"{v}-{n}" for v, n, _ in COMPOSITES]
+)
+def test_a_composite_backend_hands_over_its_childrens_cache(version, name, backends) -> None:
+    """What makes a composite's cache a recorded form: the generated backend defines no cache
+    shape of its own, its children's per-layer views are the same, the implementation hands
+    ``kv_cache`` unchanged to the child it picks and writes through the general child."""
+    entry = backends[name]
+    composite, factory = entry["composite"], entry["composite"]["factory"]
+    assert entry["name"] == [name] and factory["get_name"] == ["return backend_name"]
+    assert factory["defines"] == []  # no get_kv_cache_shape / get_kv_cache_stride_order
+    assert "raise ValueError('Composite backends require the same KV cache spec')" in (
+        "\n".join(factory["customize_spec"])
+    )
+    for child in (composite["general"]["backend"], composite["causal"]["backend"]):
+        for layout in ("LBNHC", "LBHNC"):
+            assert (
+                backends[child]["registered_tensor"][layout] == entry["registered_tensor"][layout]
+            )
+    for call in factory["impl_forward_passes_kv_cache"]:
+        assert "kv_cache" in [ast.unparse(a) for a in ast.parse(call, mode="eval").body.args]
+    assert factory["impl_do_kv_cache_update"][0] == "method = self.general_impl.do_kv_cache_update"
+    # picked on CUDA for models with bidirectional image prefixes only
+    assert all("use_mm_prefix" in " ".join(s["when"]) for s in composite["selected"])
 
 
 @pytest.mark.parametrize(
@@ -322,3 +378,84 @@ def test_scheduler_blocks_taken_for_cache_blocks_fail_the_contract() -> None:
     read = _recorded_read(recorded, geometry)
     problems = contract_problems(wrong, cache, geometry, read, scheduler_block_size=32)
     assert problems, "reading kernel blocks as scheduler blocks went unnoticed"
+
+
+# ------------------------------------- a read in another element order, chosen by a variable
+
+SWITCHED = [
+    (data["version"], backend, helper, switch["env"])
+    for data in load("vllm")
+    if version_key(data["version"]) >= (0, 9, 2)
+    for backend in CUDA_BACKENDS
+    for helper in data["attention_backends"][backend]["kv_read_helpers"]
+    for switch in helper["switches"]
+]
+SWITCH_IDS = [f"{v}-{b}" for v, b, _, _ in SWITCHED]
+
+
+def test_which_releases_read_in_another_order_under_a_variable() -> None:
+    """vLLM 0.9.2-0.10.2 TRITON_ATTN only (from 0.11 the variable moved to ROCm's backend)."""
+    assert [(v, b, env) for v, b, _, env in SWITCHED] == [
+        (v, "TRITON_ATTN", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION")
+        for v in ("0.9.2", "0.10.0", "0.10.2")
+    ]
+    for _, _, helper, _ in SWITCHED:
+        assert helper["helper"]["source"].endswith("::PagedAttention.split_kv_cache")
+
+
+@pytest.mark.parametrize(("version", "backend", "helper", "env"), SWITCHED, ids=SWITCH_IDS)
+def test_the_switched_read_is_another_element_order(version, backend, helper, env) -> None:
+    """Rows written where the default read finds them are not where ``split_kv_cache`` reads:
+    serving that read with the same layout would be a silent wrong answer."""
+    recorded = next(
+        r for r in RECORDED if (r.version, r.backend, r.layout) == (version, backend, "NHD")
+    )
+    geometry = GEOMETRIES["bf16-H8-D128"]
+    cache = build_cache(recorded.tensor, geometry)
+    layout = _layout(cache, geometry, get_ops("torch"), recorded.name)
+
+    def switched_read(cache, blocks, rows):
+        return helper_rows(helper["helper"], cache, geometry, blocks, rows)
+
+    problems = contract_problems(layout, cache, geometry, switched_read)
+    assert "the backend reads other keys than were written" in problems
+    assert "the backend reads other values than were written" in problems
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True"])
+@pytest.mark.parametrize(("version", "backend", "helper", "env"), SWITCHED, ids=SWITCH_IDS)
+def test_a_switched_read_is_refused_at_start(
+    version, backend, helper, env, value, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorded = next(
+        r for r in RECORDED if (r.version, r.backend, r.layout) == (version, backend, "NHD")
+    )
+    geometry = GEOMETRIES["fp32-tiny"]
+    cache = build_cache(recorded.tensor, geometry)
+    monkeypatch.setenv(env, value)
+    for name in (recorded.name, None):  # a backend not named might be this one
+        with pytest.raises(UnsupportedKVCache) as info:
+            _layout(cache, geometry, get_ops("torch"), name)
+        message = str(info.value)
+        assert f"{env}={value}" in message and f"unset {env}" in message and "\n" not in message
+    # FLASH_ATTN reads the same form without looking at the variable
+    assert _layout(cache, geometry, get_ops("torch"), "FLASH_ATTN").memory == "NHD"
+    monkeypatch.setenv(env, "0")
+    assert _layout(cache, geometry, get_ops("torch"), recorded.name).memory == "NHD"
+
+
+@pytest.mark.parametrize(("version", "backend", "helper", "env"), SWITCHED, ids=SWITCH_IDS)
+def test_the_variable_is_read_as_vllm_reads_it(version, backend, helper, env, monkeypatch) -> None:
+    """``env_flag`` against the release's own ``vllm/envs.py`` expression, evaluated."""
+    from lmcache_backend.integration.vllm.layouts.choice import env_flag
+
+    (switch,) = helper["switches"]
+    for value in ["1", "true", "TRUE", "True", "0", "false", "yes", "on", "", " 1", None]:
+        environ = {} if value is None else {env: value}
+        stub = SimpleNamespace(getenv=lambda name, default=None, e=environ: e.get(name, default))
+        expected = eval(switch["reads"], {"__builtins__": {}}, {"os": stub})
+        if value is None:
+            monkeypatch.delenv(env, raising=False)
+        else:
+            monkeypatch.setenv(env, value)
+        assert (env_flag(env) is not None) == expected, value

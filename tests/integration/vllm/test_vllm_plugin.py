@@ -154,3 +154,25 @@ def test_doctor_what_if_shows_another_release() -> None:
     values = dict(rows)
     assert values["gate"].startswith("refused: vLLM 0.34.0 is untested")
     assert "untested" in values["with allow_untested"]
+
+
+def test_doctor_says_what_no_gpu_engine_has_run() -> None:
+    """A CUDA release no GPU engine has run is "source contract + CPU-tensor path", not
+    "stable"; on Blackwell FlashInfer's layout (LBHNC from 0.29) is named; the V2 runner is the
+    default for dense models already in 0.26."""
+    from lmcache_backend.integration.vllm import what_if_section
+
+    values = dict(what_if_section("0.33.0", "cuda")[1])
+    for row in ("matrix row", "gate"):
+        assert "stable" not in values[row] and "source contract + CPU-tensor path" in values[row]
+    assert values["KV-cache layout, SM100"].startswith(
+        "FLASHINFER LBHNC: [num_blocks, num_kv_heads"
+    )
+    assert values["V2 runner by default for"].startswith("every model")
+    values = dict(what_if_section("0.26.0", "cuda")[1])
+    assert values["KV-cache layout, SM100"].startswith("FLASHINFER HND:")
+    assert values["V2 runner by default for"].startswith("every dense (non-MoE)")
+    # the one release an engine ran, on the platform it ran on
+    values = dict(what_if_section("0.32.0", "cpu")[1])
+    assert "(stable: CPU build, real engine)" in values["gate"]
+    assert "KV-cache layout, SM100" not in values and "V2 runner by default for" not in values

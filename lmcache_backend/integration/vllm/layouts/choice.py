@@ -7,13 +7,19 @@ heads, ``D`` head dim, ``NB``/``BS`` blocks and tokens per block as the cache co
 * ``[NB, 2, BS, H, D]``: FLASHINFER 0.9.2-0.25.1, TRITON_ATTN 0.11.0-0.25.1, FLASH_ATTN
   0.23.0-0.25.1 (NHD or HND).
 * ``[NB, H, BS, 2*D]``: FLASH_ATTN, FLASHINFER, TRITON_ATTN from 0.26.0 (NHD or HND; from 0.29
-  the ``KVCacheLayout`` orders LBNHC/BLNHC, LBHNC/BLHNC/BHLNC, LHBNC).
+  the ``KVCacheLayout`` orders LBNHC/BLNHC, LBHNC/BLHNC/BHLNC, LHBNC); from 0.30 also the
+  composite backends TRITON_FLASH_ATTN (SM90) and TRITON_FLASHINFER (SM100), which vLLM picks
+  for models with bidirectional image prefixes (``model_type`` gemma3, paligemma, ...): Triton
+  and FlashAttention / FlashInfer over one shared cache, each reading it as alone.
 * a ``[k, v]`` list (vllm-ascend 0.9) or ``(k, v)`` tuple (0.11-0.23), each a contiguous
   ``[NB, BS, H, D]``: backend ASCEND, or CUSTOM / FLASH_ATTN (0.23, V1 / V2 model runner).
 
 The memory order comes from the strides: NHD keeps a token's heads together (``[NB, BS, H, D]``
 in memory), HND a head's tokens (``[NB, H, BS, D]``). The backend's name, where given, must be
-one that handed the form over. Anything else -- another rank, a pair that is not two equal
+one that handed the form over. vLLM 0.9.2-0.10.2's TRITON_ATTN under
+``VLLM_V1_USE_PREFILL_DECODE_ATTENTION=1`` reads its ``[2, NB, BS, H, D]`` cache in another
+element order (``PagedAttention.split_kv_cache``: K ``[NB, H, D/x, BS, x]``, V ``[NB, H, D, BS]``)
+and is refused naming the variable. Anything else -- another rank, a pair that is not two equal
 tensors (MLA, sparse-attention indexer caches), quantized caches (fp8, int8, nvfp4, per-token-head
 scales), the FRACTAL_NZ cache of 310P cards, an unrecorded memory order, vLLM's CPU backend
 (served by :class:`~.cpu.CpuLayout`) -- is refused with one line naming what was handed over.
@@ -22,6 +28,7 @@ scales), the FRACTAL_NZ cache of 310P cards, an unrecorded memory order, vLLM's 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +72,11 @@ _RECORDED = {
     ),
     PACKED.name: _Recorded(
         PACKED,
-        frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"}),
+        # TRITON_FLASH_ATTN / TRITON_FLASHINFER (0.30+): composites of TRITON_ATTN and
+        # FLASH_ATTN / FLASHINFER sharing one cache, which both children read as alone
+        frozenset(
+            {"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "TRITON_FLASH_ATTN", "TRITON_FLASHINFER"}
+        ),
         {(0, 2, 1, 3): "NHD (LBNHC)", (0, 1, 2, 3): "HND (LBHNC)", (1, 0, 2, 3): "LHBNC"},
     ),
     # vllm-ascend 0.23 names its backend CUSTOM, or FLASH_ATTN under the V2 model runner.
@@ -73,11 +84,24 @@ _RECORDED = {
 }
 _KNOWN_BACKENDS = frozenset().union(*(r.backends for r in _RECORDED.values()))
 
+#: (form, backend) -> (vLLM environment variable, how the backend then reads the form): a set
+#: variable makes the backend read the form in another element order than the form's views (a
+#: backend not named might be that one). vLLM 0.9.2-0.10.2 TRITON_ATTN: its prefill/decode
+#: kernels instead of the unified one, through ``PagedAttention.split_kv_cache``
+#: (``x = 16 // element size``).
+_ELEMENT_ORDER_SWITCHES = {
+    (KV_FIRST.name, "TRITON_ATTN"): (
+        "VLLM_V1_USE_PREFILL_DECODE_ATTENTION",
+        "K [NB, H, D/x, BS, x] and V [NB, H, D, BS] (PagedAttention.split_kv_cache)",
+    )
+}
+
 SUPPORTED = (
     "[2, NB, BS, H, D] / [NB, 2, BS, H, D] (NHD or HND; vLLM 0.9.2-0.25), "
     "[NB, H, BS, 2*D] (NHD/LBNHC, HND/LBHNC, LHBNC; vLLM 0.26+), "
     "a (k, v) tuple or [k, v] list of contiguous [NB, BS, H, D] (vllm-ascend), "
-    "fp32/fp16/bf16, backends FLASH_ATTN, FLASHINFER, TRITON_ATTN, ASCEND/CUSTOM"
+    "fp32/fp16/bf16, backends FLASH_ATTN, FLASHINFER, TRITON_ATTN, TRITON_FLASH_ATTN, "
+    "TRITON_FLASHINFER, ASCEND/CUSTOM"
 )
 
 
@@ -120,6 +144,27 @@ def _refuse(reason: str, cache: Any, backend: str | None) -> UnsupportedKVCache:
         f"CacheBlend cannot use this KV cache: {reason}; got {_describe(cache)}, "
         f"backend {backend or 'not named'}; supported: {SUPPORTED}"
     )
+
+
+def env_flag(name: str) -> str | None:
+    """The value of vLLM's boolean environment variable ``name`` when it is on, read as
+    ``vllm/envs.py`` reads it (``"true"`` or ``"1"``, any case); ``None`` when off or unset."""
+    value = os.environ.get(name)
+    return value if value is not None and value.lower() in ("true", "1") else None
+
+
+def _element_order_switch(form: CacheForm, backend: str | None) -> str | None:
+    """Why ``backend`` reads ``form`` in another element order than its views, when a vLLM
+    variable that makes it so is set; ``None`` otherwise."""
+    for (form_name, switched), (variable, how) in _ELEMENT_ORDER_SWITCHES.items():
+        value = env_flag(variable)
+        if form.name == form_name and backend in (switched, None) and value is not None:
+            return (
+                f"{variable}={value} makes vLLM's {switched} read this cache as {how}, an element "
+                f"order CacheBlend does not write; unset {variable} or use another attention "
+                f"backend"
+            )
+    return None
 
 
 def _follows(t: torch.Tensor, order: tuple[int, ...]) -> bool:
@@ -217,6 +262,9 @@ def layout_for(
     recorded = _RECORDED[form.name]
     if backend is not None and backend not in recorded.backends:
         raise refuse(f"{backend} never handed over a {form.shape} cache")
+    switched = _element_order_switch(form, backend)
+    if switched is not None:
+        raise refuse(switched)
     checked = tensors[0] if form is PAIR else cache
     memory = next((name for o, name in recorded.orders.items() if _follows(checked, o)), None)
     if memory is None:
