@@ -17,11 +17,13 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from lmcache_backend.settings import REQUEST
+
 SEPARATOR = " # # "
 #: vLLM's own check of a salt (vllm/entrypoints/generate/base/protocol.py: validate_cache_salt)
 SALT_FORBIDDEN = set("@/\\\0")
 SALT_MAX = 128
-REQUEST_KEYS = ["blend", "blend_recompute_ratios", "blend_check_layers", "blend_selection"]
+REQUEST_KEYS = list(REQUEST)  # what kv_transfer_params may set (the settings registry)
 #: a salt the test replaces with one no request used before
 FRESH = "FRESH"
 

@@ -1,6 +1,8 @@
-"""Property-based tests of the configuration loader: random YAML files, environment values and
-``extra_config`` settings load, or fail with a :class:`ConfigError` whose first line names a key
-that was given; never another exception, and never a secret in the message.
+"""Property-based tests of the settings, every scope of the registry: random YAML files,
+environment values, ``extra_config`` and ``kv_connector_extra_config`` settings load, or fail with
+a one-line :class:`ConfigError` naming a key that was given; random values of any single setting
+parse or fail naming the setting, the value and what is accepted; random ``kv_transfer_params``
+never raise; never another exception, and never a secret in a message.
 
 Bounded: a fixed number of examples per test, no example database; ``CASES`` counts the cases
 run (printed with ``-s``).
@@ -18,6 +20,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lmcache_backend.config import CONFIG_FILE_ENV, CONFIG_KEYS, ConfigError, load_config
+from lmcache_backend.settings import CONNECTOR, ENVIRONMENT, REGISTRY, REQUEST
+from lmcache_backend.settings.setting import MAX_SHOWN
 from lmcache_backend.storage.settings import EXTRA_DEFAULTS, store_settings
 
 EXAMPLES = 300
@@ -95,7 +99,8 @@ def _load(path=None, env=None, **overrides):
 
 
 def _check_error(exc: ConfigError, given: set[str], secrets: list[str]) -> None:
-    first = str(exc).splitlines()[0]
+    assert "\n" not in str(exc), f"not one line: {exc!r}"
+    first = str(exc)
     named = {k for k in given if k in first}
     assert named, f"the error names none of {sorted(given)}: {exc}"
     for secret in secrets:
@@ -186,18 +191,7 @@ def test_random_store_settings_load_or_name_the_key(extra) -> None:
 @FUZZ
 @given(
     own=st.dictionaries(
-        st.sampled_from(
-            [
-                "instance_id",
-                "stats_file",
-                "allow_untested_versions",
-                "verify_on_start",
-                "profile",
-                "blend_layers_per_step",
-                "engine_forward",
-                "selected_attention",
-            ]
-        ),
+        st.sampled_from(sorted({*CONNECTOR, *(a for s in CONNECTOR.values() for a in s.aliases)})),
         values,
         max_size=4,
     ),
@@ -231,17 +225,86 @@ def test_random_connector_settings_load_or_name_the_key(own, extra) -> None:
     try:
         settings = load_settings(vllm_config)
     except ConfigError as exc:
-        _check_error(exc, set(own) | {f"extra_config.{k}" for k in extra}, _secrets(extra))
+        renamed = {s.name for s in CONNECTOR.values() if set(s.aliases) & set(own)}
+        given = set(own) | renamed | {f"extra_config.{k}" for k in extra}
+        _check_error(exc, given, _secrets(extra))
         return
     from lmcache_backend.storage.index_dir import default_index_dir
 
     default_index_dir(settings.instance_id)  # what the store will name its folder with
 
 
+@FUZZ
+@given(
+    setting=st.sampled_from(REGISTRY),
+    value=values | st.sampled_from(["yes", "off", "auto", "AUTO", " 3 ", "0.5", "1,2", "[1, 2]"]),
+)
+def test_any_value_of_any_setting_parses_or_names_key_value_and_what_is_accepted(
+    setting, value
+) -> None:
+    """Every setting of every scope: a value parses (and the result parses to itself, so a
+    value checked again is unchanged) or fails in one line naming the setting, the value and
+    what the setting accepts."""
+    _count("any setting")
+    try:
+        parsed = setting.value(value, "fuzz")
+    except ConfigError as exc:
+        line = str(exc)
+        assert "\n" not in line and len(line) < 2 * MAX_SHOWN + 400, line
+        assert line.startswith(f"{setting.label} (from fuzz) = "), line
+        if not setting.secret:
+            assert setting.shown(value) in line
+        return
+    assert setting.value(parsed, "again") == parsed
+
+
+@FUZZ
+@given(
+    params=st.none()
+    | values
+    | st.dictionaries(
+        st.sampled_from([*REQUEST, "blend_ratio", "blendx", "other_connector"]), values, max_size=4
+    )
+)
+def test_random_kv_transfer_params_never_raise(params, caplog) -> None:
+    """A request's ``kv_transfer_params`` come from clients unchecked: whatever they hold, the
+    request gets the engine's settings, its own, or none (opted out), and every warning is one
+    line."""
+    from lmcache_backend.integration.vllm.settings import request_config
+
+    _count("request")
+    engine = load_config(env={}, enable_blending=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lmcache_backend"):
+        out = request_config(engine, params, num_layers=30, request_id="fuzz")
+    assert out is None or type(out) is type(engine)
+    if out is None:
+        assert isinstance(params, dict) and "blend" in params
+    for record in caplog.records:
+        assert "\n" not in record.getMessage()
+
+
+@FUZZ
+@given(
+    name=st.sampled_from(sorted(ENVIRONMENT)),
+    raw=st.text(max_size=24) | st.sampled_from(SPECIAL),
+)
+def test_random_environment_only_variables_read_or_name_the_variable(name, raw) -> None:
+    from lmcache_backend.settings import read_variable
+
+    _count("environment only")
+    if "\0" in raw:
+        return  # no process environment holds a NUL
+    try:
+        read_variable(name, {name: raw})
+    except ConfigError as exc:
+        _check_error(exc, {name}, [])
+
+
 def test_fuzz_cases_ran() -> None:
     """Runs after the fuzz tests of this module (pytest keeps file order): every one ran its
     examples."""
     print(f"\nconfig fuzz cases: {CASES}")
-    if len(CASES) < 5:
+    if len(CASES) < 8:
         pytest.skip("run with the whole module to count its cases")
     assert all(n >= EXAMPLES // 2 for n in CASES.values()), CASES

@@ -30,6 +30,7 @@ import torch
 
 from lmcache_backend.ops import register
 from lmcache_backend.ops.reference import window_reason
+from lmcache_backend.settings import read_variable
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def unsupported_reason() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("LMCACHE_KERNEL_CACHE") or Path.home() / ".cache/lmcache_backend/kernels"
+    root = read_variable("LMCACHE_KERNEL_CACHE") or Path.home() / ".cache/lmcache_backend/kernels"
     return Path(root)
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
+
+from lmcache_backend.settings import read_variable
 
 # Storage dtypes the kernels load and store; the math is fp32 whatever the storage.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -15,7 +16,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def interpret_mode() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    return bool(read_variable("TRITON_INTERPRET"))
 
 
 def next_pow2(n: int) -> int:

@@ -334,7 +334,9 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     # Threads beyond the cores make CPU runs far slower; follow OMP_NUM_THREADS when set.
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
+    from lmcache_backend.settings import read_variable
+
+    threads = read_variable("OMP_NUM_THREADS") or os.cpu_count() or 1
     torch.set_num_threads(threads)
     if args.profile:
         from lmcache_backend.bench import profile

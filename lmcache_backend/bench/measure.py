@@ -30,6 +30,8 @@ import os
 import statistics
 import time
 
+from lmcache_backend.settings import read_variable
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,7 +47,7 @@ def main() -> None:
         "every core this process may use)",
     )
     args = parser.parse_args()
-    cores = args.cores or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    cores = args.cores or read_variable("VLLM_CPU_OMP_THREADS_BIND")
     if not cores:
         cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores

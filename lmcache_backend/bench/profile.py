@@ -2,7 +2,7 @@
 
 ``python -m lmcache_backend.bench.profile [--model NAME|PATH] [--sizes 1000,2000,4000]
 [--repeats 3]`` (also ``lmcache-backend bench --profile``) starts one vLLM engine with the
-CacheBlend connector (``profile: true``, prefix caching off) and, per prompt size:
+CacheBlend connector (``time_phases: true``, prefix caching off) and, per prompt size:
 
 1. stores the chunks of a RAG prompt with one question (a full prefill);
 2. asks the prompt with the chunks reordered and a *new question every request*, rounds of
@@ -34,7 +34,7 @@ import time
 
 from lmcache_backend.blend.segmenting import PROMPT_SHAPES
 
-#: the blend path's phases, in the order they run (``BlendRecord.profile`` keys)
+#: the blend path's phases, in the order they run (``BlendRecord.phases_ms`` keys)
 PHASES = (
     ("prefix read", "read of vLLM's prefix-cache hits"),
     ("lookup", "segment lookup (hashing, store index)"),
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         path,
         stats_file=stats,
         extra_config={
-            "profile": True,
+            "time_phases": True,
             "engine_forward": not args.layerwise,
             "blend_layers_per_step": args.layers_per_step,
         },
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                 peaks[name].append(memory.peak_mib())
                 fraction = rec["token_layer_fraction"] if rec else 1.0
                 token_layers[name].append(fraction * len(ids) * layers)
-                if name == profiled and rec and rec.get("profile"):
-                    phases.append(rec["profile"])
+                if name == profiled and rec and rec.get("phases_ms"):
+                    phases.append(rec["phases_ms"])
                     attention.append(rec.get("attention_fraction", 1.0))
         n = len(asked[0])
         full = med(times["full prefill"])

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_backend.blend.segmenting import Held, Segment, SeparatorPattern, separator_pattern
-
-#: ``blend_segmentation`` values
-SEGMENTATIONS = ("auto", "separator", "blocks")
+from lmcache_backend.settings import SEGMENTATION_CHOICES as SEGMENTATIONS
 
 
 @dataclass(frozen=True)

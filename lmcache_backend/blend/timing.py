@@ -1,4 +1,4 @@
-"""Phase timers of the blend path (``profile: true`` in the connector's extra config).
+"""Phase timers of the blend path (``time_phases: true`` in the connector's extra config).
 
 The blender calls ``timer.lap(name)`` after each phase; with timing off the timer is
 :data:`NO_TIMER`, whose methods do nothing (one method call per phase, a few per layer).

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmcache_backend.settings import read_variable
+
 logger = logging.getLogger(__name__)
 
 _DONE_MARKER = "lmcache_backend_conversion.json"
@@ -265,10 +267,10 @@ def model_label(model: str | None) -> str:
 def cache_root() -> Path:
     """``$LMCACHE_BACKEND_CACHE_DIR``, else ``$XDG_CACHE_HOME/lmcache_backend``, else
     ``~/.cache/lmcache_backend``."""
-    explicit = os.environ.get("LMCACHE_BACKEND_CACHE_DIR")
+    explicit = read_variable("LMCACHE_BACKEND_CACHE_DIR")
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = read_variable("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "lmcache_backend"
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from typing import Any
 
 from lmcache_backend.demos.server_process import ServerExited, ServerProcess
 from lmcache_backend.errors import USAGE_EXIT, UsageError
+from lmcache_backend.settings.environment import environment
 
 #: The separator between documents (``blend_special_str``'s default).
 SEPARATOR = " # # "
@@ -240,7 +240,7 @@ def run_demo(
     from lmcache_backend.config import load_config
 
     env = {} if ratio is None else {"LMCACHE_BLEND_RECOMPUTE_RATIOS": str(ratio)}
-    config = load_config(env={**os.environ, **env})
+    config = load_config(env={**environment(), **env})
     setting = f"{config.blend_selection}, ratio {config.blend_recompute_ratios[-1]:g}"
 
     from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, embedded_model_path

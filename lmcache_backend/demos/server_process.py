@@ -70,14 +70,12 @@ class ServerProcess:
         if self.stats_file:
             cmd += ["--stats-file", str(self.stats_file)]
         self.cmd = cmd
-        self.env = {
-            **os.environ,
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-            # CPU build: reserve this many GiB for the KV cache instead of a share of all memory
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "LMCACHE_ENABLE_BLENDING": "true",
-            **(env or {}),
-        }
+        # the server's environment: this process's, with defaults for what it leaves unset
+        self.env = dict(os.environ)
+        self.env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+        # CPU build: reserve this many GiB for the KV cache instead of a share of all memory
+        self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.env.update({"LMCACHE_ENABLE_BLENDING": "true", **(env or {})})
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> ServerProcess:

@@ -23,17 +23,17 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 from lmcache_backend.ops import reference
 from lmcache_backend.ops.device import detect_platform
+from lmcache_backend.settings import BACKEND_CHOICES
+from lmcache_backend.settings.sources import configured
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("torch", "cpu", "cuda", "ascend")
-BACKEND_CHOICES = ("auto",) + BACKEND_NAMES
+BACKEND_NAMES = tuple(name for name in BACKEND_CHOICES if name != "auto")
 
 # backend name -> module whose ``load()`` makes its ops available (registering them)
 _BACKEND_MODULES = {
@@ -176,14 +176,15 @@ def _get_ops_cached(name: str) -> Ops:
 
 
 def get_ops(name: str | None = None) -> Ops:
-    """Return the op set for ``name`` (default: ``$LMCACHE_BACKEND``, else ``"auto"``).
+    """Return the op set for ``name`` (default: the configured ``backend``: ``LMCACHE_BACKEND``,
+    else the YAML file's, else ``"auto"``).
 
     Raises:
         ValueError: ``name`` is not one of ``auto``, ``torch``, ``cpu``, ``cuda``, ``ascend``.
         BackendUnavailable: an explicitly named backend cannot run here (the message says why).
     """
     if name is None:
-        name = os.environ.get("LMCACHE_BACKEND", "auto")
+        name = configured("backend")
     name = name.strip().lower()
     if name not in BACKEND_CHOICES:
         raise ValueError(f"backend: {name!r} is not one of {', '.join(BACKEND_CHOICES)}")

@@ -17,11 +17,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from lmcache_backend.settings.store_keys import MIN_SECRET_BYTES  # 128 bits
+
 #: Leads every sealed value; names the scheme so that it can change later.
 MAGIC = b"lmcache_backend.hmac-sha256.v1\n"
 TAG_BYTES = hashlib.sha256().digest_size
-#: Shortest secret accepted (bytes): 128 bits.
-MIN_SECRET_BYTES = 16
 
 
 class AuthenticationError(ValueError):

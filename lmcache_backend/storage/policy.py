@@ -29,11 +29,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 
-EVICTION_POLICIES = ("lru", "s3fifo")
-ADMISSION_POLICIES = ("always", "second_sight")
+from lmcache_backend.settings import STORE
+from lmcache_backend.settings.store_keys import ADMISSION_POLICIES, EVICTION_POLICIES
+
 #: the store's defaults (create_store); a MemoryTier or DiskTier built directly uses LRU, always
-DEFAULT_EVICTION = "s3fifo"
-DEFAULT_ADMISSION = "second_sight"
+DEFAULT_EVICTION: str = STORE["cache_policy"].default
+DEFAULT_ADMISSION: str = STORE["cache_admission"].default
 
 #: S3-FIFO's small queue, as a share of the tier's bytes
 SMALL_SHARE = 0.1

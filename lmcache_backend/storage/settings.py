@@ -1,148 +1,51 @@
 """The store's ``extra_config`` settings, parsed and checked once.
 
-``extra_config`` is LMCache's free-form mapping; the keys below are the store's. Each is checked
-here, so that a bad value fails with a :class:`~lmcache_backend.config.ConfigError` naming the key,
+``extra_config`` is LMCache's free-form mapping; the store's keys in it are declared in the
+settings registry (:mod:`lmcache_backend.settings.store_keys`). Each is checked here, so that a bad
+value fails with a :class:`~lmcache_backend.config.ConfigError` naming ``extra_config.<key>``,
 where it came from and the value (a secret is never printed), instead of a traceback from deep
-inside a tier. Other keys are left alone (they may be LMCache's own).
+inside a tier. Other keys are left alone (they may be LMCache's own); one that looks like a
+misspelt store key is logged with the key it resembles.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import field, make_dataclass
 from typing import Any
 
 from lmcache_backend.config import BlendConfig, ConfigError
-from lmcache_backend.storage.auth import MIN_SECRET_BYTES
-from lmcache_backend.storage.policy import (
-    ADMISSION_POLICIES,
-    DEFAULT_ADMISSION,
-    DEFAULT_EVICTION,
-    EVICTION_POLICIES,
-)
+from lmcache_backend.settings import STORE, dataclass_fields, parse_given, with_defaults
+from lmcache_backend.settings.environment import FORCE_LMCACHE_EXTRA_KEY
+from lmcache_backend.settings.registry import closest
+from lmcache_backend.settings.store_keys import MIN_SECRET_BYTES
 
 logger = logging.getLogger(__name__)
 
 #: A secret file is small; anything larger is the wrong file.
 MAX_SECRET_FILE_BYTES = 4096
 
-
-def _number(minimum: float, inclusive: bool, unit: str) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number {unit}")
-        number = float(value)
-        ok = number >= minimum if inclusive else number > minimum
-        if not (math.isfinite(number) and ok):
-            raise ValueError(f"expected a finite number {'>=' if inclusive else '>'} {minimum}")
-        return number
-
-    return parse
-
-
-def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def parse_optional(value: Any) -> Any:
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null")):
-            return None
-        return parse(value)
-
-    return parse_optional
-
-
-def _flag(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
-        return True
-    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
-    """One of ``choices``, case-insensitive (LMCache writes ``LRU``)."""
-
-    def parse(value: Any) -> str:
-        text = value.strip().lower() if isinstance(value, str) else None
-        if text not in choices:
-            raise ValueError(f"choose one of {', '.join(choices)}")
-        return text
-
-    return parse
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str) or not value or "\0" in value:
-        raise ValueError("expected a non-empty string")
-    return value
-
-
-#: key -> (parser, default); the parsers raise ValueError/TypeError with the reason
-_KEYS: dict[str, tuple[Callable[[Any], Any], Any]] = {
-    # accelerator-memory tier in GB; 0 turns it off (vLLM's KV cache needs that memory)
-    "max_local_device_size": (_number(0.0, True, "(GB)"), 0.0),
-    # keep the cross-process index (marker files) for the scheduler
-    "segment_index": (_flag, True),
-    # folder of the index; default /dev/shm/lmcache_backend-<uid>/index/<instance_id>
-    "segment_index_dir": (_optional(_text), None),
-    # which entries the memory tiers evict first, and which new ones they store when full
-    "cache_policy": (_choice(EVICTION_POLICIES), DEFAULT_EVICTION),
-    "cache_admission": (_choice(ADMISSION_POLICIES), DEFAULT_ADMISSION),
-    # return copies from memory tiers so callers may work on results in place
-    "copy_on_get": (_flag, True),
-    # namespace of the keys in Redis; None: "lmcache_backend:segment:"
-    "remote_key_prefix": (_optional(_text), None),
-    "remote_timeout": (_number(0.0, False, "(s)"), 1.0),  # per command
-    "remote_connect_timeout": (_number(0.0, False, "(s)"), 0.25),  # per connection attempt
-    # None (or 0): until the server evicts them
-    "remote_ttl": (_optional(_number(0.0, True, "(s)")), None),
-    "remote_retry_base_delay": (_number(0.0, False, "(s)"), 0.5),
-    "remote_retry_max_delay": (_number(0.0, False, "(s)"), 30.0),
-    # authenticates every entry of the shared tier (storage/auth.py); never printed
-    "shared_secret": (_optional(_text), None),
-    "shared_secret_file": (_optional(_text), None),
-}
-
-#: ``extra_config`` settings of the store, with their defaults.
-EXTRA_DEFAULTS: dict[str, Any] = {name: default for name, (_, default) in _KEYS.items()}
-
 SECRET_KEYS = ("shared_secret", "shared_secret_file")
+#: ``extra_config`` settings of the store, with their defaults.
+EXTRA_DEFAULTS: dict[str, Any] = with_defaults(STORE, {})
 
-
-@dataclass(frozen=True)
-class StoreSettings:
-    """The store's ``extra_config`` settings, checked (see :data:`EXTRA_DEFAULTS`).
-
-    ``secret`` holds the shared secret's bytes (from ``shared_secret`` or the file named by
-    ``shared_secret_file``), or None.
-    """
-
-    max_local_device_size: float = 0.0
-    segment_index: bool = True
-    segment_index_dir: str | None = None
-    cache_policy: str = DEFAULT_EVICTION
-    cache_admission: str = DEFAULT_ADMISSION
-    copy_on_get: bool = True
-    remote_key_prefix: str | None = None
-    remote_timeout: float = 1.0
-    remote_connect_timeout: float = 0.25
-    remote_ttl: float | None = None
-    remote_retry_base_delay: float = 0.5
-    remote_retry_max_delay: float = 30.0
-    secret: bytes | None = field(default=None, repr=False)
-
-
-def _shown(key: str, value: Any) -> str:
-    if key == "shared_secret":
-        size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else None
-        return "<hidden>" if size is None else f"<hidden, {size} bytes>"
-    return repr(value)
+StoreSettings = make_dataclass(
+    "StoreSettings",
+    [
+        *dataclass_fields({k: s for k, s in STORE.items() if k not in SECRET_KEYS}),
+        ("secret", Any, field(default=None, repr=False)),
+    ],
+    frozen=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": "The store's ``extra_config`` settings, checked: one field per store key of "
+        "the registry, the secrets replaced by ``secret``, the shared secret's bytes (from "
+        "``shared_secret`` or the file named by ``shared_secret_file``), or None.",
+    },
+)
 
 
 def store_settings(config: BlendConfig) -> StoreSettings:
@@ -154,42 +57,47 @@ def store_settings(config: BlendConfig) -> StoreSettings:
     """
     extra = config.extra_config
     where = config.sources.get("extra_config", "argument")
+    _warn_misspelt(extra, where)
+    values = with_defaults(STORE, parse_given(STORE, extra, where))
 
-    def fail(key: str, value: Any, why: str) -> ConfigError:
-        return ConfigError(f"extra_config.{key} (from {where}) = {_shown(key, value)}: {why}")
+    def fail(key: str, why: str) -> ConfigError:
+        return STORE[key].error(extra[key], where, why)
 
-    values: dict[str, Any] = {}
-    for key, (parse, default) in _KEYS.items():
-        if key not in extra:
-            values[key] = default
-            continue
-        try:
-            values[key] = parse(extra[key])
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise fail(key, extra[key], str(exc) or type(exc).__name__) from None
     base, most = values["remote_retry_base_delay"], values["remote_retry_max_delay"]
     if most < base:  # name the one the user gave (both, if both: the cap)
         if "remote_retry_max_delay" in extra:
-            why = f"must be >= remote_retry_base_delay ({base})"
-            raise fail("remote_retry_max_delay", extra["remote_retry_max_delay"], why)
-        why = f"must be <= remote_retry_max_delay ({most})"
-        raise fail("remote_retry_base_delay", extra["remote_retry_base_delay"], why)
+            raise fail("remote_retry_max_delay", f"must be >= remote_retry_base_delay ({base})")
+        raise fail("remote_retry_base_delay", f"must be <= remote_retry_max_delay ({most})")
     secret, secret_file = values.pop("shared_secret"), values.pop("shared_secret_file")
     if secret is not None and secret_file is not None:
-        raise fail("shared_secret_file", secret_file, "give shared_secret or this, not both")
+        raise fail("shared_secret_file", "give shared_secret or this, not both")
     raw: bytes | None = None
     if secret is not None:
         raw = secret.encode("utf-8", "surrogatepass")
         if len(raw.strip()) < MIN_SECRET_BYTES:
-            raise fail("shared_secret", secret, f"must be at least {MIN_SECRET_BYTES} bytes")
+            raise fail("shared_secret", f"must be at least {MIN_SECRET_BYTES} bytes")
     elif secret_file is not None:
-        raw = _read_secret_file(
-            secret_file, lambda why: fail("shared_secret_file", secret_file, why)
-        )
+        raw = _read_secret_file(secret_file, lambda why: fail("shared_secret_file", why))
     if raw is not None and not config.remote_url:
         key = SECRET_KEYS[secret is None]
         logger.warning("extra_config.%s has no effect without remote_url", key)
     return StoreSettings(**values, secret=raw)
+
+
+def _warn_misspelt(extra: dict, where: str) -> None:
+    """Log the keys of ``extra`` that are not the store's but look like one of its keys (other
+    keys belong to LMCache and pass quietly)."""
+    for key in extra:
+        if key in STORE or key == FORCE_LMCACHE_EXTRA_KEY or not isinstance(key, str):
+            continue
+        close = closest(key, STORE, cutoff=0.85)
+        if close is not None:
+            logger.warning(
+                "extra_config key %r (from %s) is not one of the store's; did you mean %r?",
+                key,
+                where,
+                close,
+            )
 
 
 def _read_secret_file(path: str, fail: Callable[[str], ConfigError]) -> bytes:

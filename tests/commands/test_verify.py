@@ -87,10 +87,10 @@ def test_verify_fails_when_rerotation_is_wrong(yarn_model, capsys, monkeypatch) 
 
 def test_verify_on_start_takes_booleans_only() -> None:
     from lmcache_backend.config import ConfigError
-    from lmcache_backend.integration.vllm.settings import CONNECTOR_KEYS, _flag
+    from lmcache_backend.settings import CONNECTOR
 
-    assert "verify_on_start" in CONNECTOR_KEYS
-    assert _flag("verify_on_start", True) and _flag("verify_on_start", "on")
-    assert not _flag("verify_on_start", "false")
-    with pytest.raises(ConfigError, match="verify_on_start='maybe'"):
-        _flag("verify_on_start", "maybe")
+    key = CONNECTOR["verify_on_start"]
+    assert key.value(True, "x") and key.value("on", "x")
+    assert not key.value("false", "x")
+    with pytest.raises(ConfigError, match=r"verify_on_start \(from x\) = 'maybe'"):
+        key.value("maybe", "x")

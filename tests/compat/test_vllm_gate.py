@@ -382,11 +382,12 @@ def test_vllm_ascend_0_9_1_is_refused_naming_the_nearest_release(installed, monk
 
 def test_allow_untested_versions_takes_a_flag_or_fails_naming_it() -> None:
     from lmcache_backend.config import ConfigError
-    from lmcache_backend.integration.vllm.settings import _flag
+    from lmcache_backend.settings import CONNECTOR
 
-    assert _flag("allow_untested_versions", "false") is False
-    with pytest.raises(ConfigError, match=r"allow_untested_versions='maybe'"):
-        _flag("allow_untested_versions", "maybe")
+    key = CONNECTOR["allow_untested_versions"]
+    assert key.value("false", "kv_connector_extra_config") is False
+    with pytest.raises(ConfigError, match=r"allow_untested_versions \(from .*\) = 'maybe'"):
+        key.value("maybe", "kv_connector_extra_config")
 
 
 # -- platform detection ------------------------------------------------------------------------

@@ -36,8 +36,7 @@ from lmcache_backend.ops import get_ops
 
 logger = logging.getLogger(__name__)
 
-# Allows an LMCache release outside the version matrix; it shares the ``LMCACHE_`` prefix, so it
-# is left out when this package's configuration is parsed.
+# Allows an LMCache release outside the version matrix (declared in the settings registry).
 FORCE_ENV = "LMCACHE_BACKEND_FORCE_LMCACHE"
 
 
@@ -322,8 +321,5 @@ class LMCacheBlender:
 
 def _settings(engine_values: dict[str, Any]) -> BlendConfig:
     """This package's configuration, with the blend keys LMCache's engine config sets."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != FORCE_ENV}
-    config = load_config(env=env)
+    config = load_config()
     return config.replace(**engine_values) if engine_values else config

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,14 +20,16 @@ from lmcache_backend.compat import (
     detect_versions,
 )
 from lmcache_backend.compat.lmcache import family_for
-from lmcache_backend.config import _parse_bool, load_config
+from lmcache_backend.config import ConfigError, load_config
 from lmcache_backend.integration.lmcache.glue import FORCE_ENV, Glue, glue_for
+from lmcache_backend.settings import ENVIRONMENT, read_variable
+from lmcache_backend.settings.environment import FORCE_LMCACHE_EXTRA_KEY
 
 logger = logging.getLogger(__name__)
 
 # ``extra_config`` key (LMCache's ``LMCACHE_EXTRA_CONFIG`` JSON, or the YAML file) that allows an
 # LMCache release outside the version matrix, like ``LMCACHE_BACKEND_FORCE_LMCACHE=1``.
-FORCE_EXTRA_KEY = "lmcache_backend.force_lmcache"
+FORCE_EXTRA_KEY = FORCE_LMCACHE_EXTRA_KEY
 
 
 class IncompatibleLMCache(RuntimeError):
@@ -155,7 +156,7 @@ def install(force: bool = False) -> InstallResult:
 
 def _plan(glue: Glue) -> list[_Patch]:
     """Resolve every binding to replace before changing any, so a miss changes nothing."""
-    ops_name = load_config(env=_env()).backend
+    ops_name = load_config().backend
     replacements = glue.replacements(ops_name)
     patches, missing = [], []
     for sym in glue.family.replaced:
@@ -203,27 +204,15 @@ def uninstall() -> bool:
     return True
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != FORCE_ENV}
-
-
 def force_requested() -> bool:
     """``LMCACHE_BACKEND_FORCE_LMCACHE`` or the ``extra_config`` key asks to force."""
-    raw = os.environ.get(FORCE_ENV)
-    if raw is not None and raw.strip() != "":
-        try:
-            if _parse_bool(raw):
-                return True
-        except ValueError:
-            raise UnsupportedVersions(f"{FORCE_ENV}={raw!r}: expected true/false/1/0") from None
-    extra = load_config(env=_env()).extra_config
-    value = extra.get(FORCE_EXTRA_KEY, False)
     try:
-        return _parse_bool(value)
-    except ValueError:
-        raise UnsupportedVersions(
-            f"extra_config[{FORCE_EXTRA_KEY!r}] = {value!r}: expected true/false"
-        ) from None
+        if read_variable(FORCE_ENV):
+            return True
+        value = load_config().extra_config.get(FORCE_EXTRA_KEY, False)
+        return bool(ENVIRONMENT[FORCE_ENV].value(value, f"extra_config[{FORCE_EXTRA_KEY!r}]"))
+    except ConfigError as exc:
+        raise UnsupportedVersions(str(exc)) from None
 
 
 def maybe_install_from_plugin() -> InstallResult:
@@ -235,7 +224,7 @@ def maybe_install_from_plugin() -> InstallResult:
     """
     if not lmcache_importable():
         return InstallResult(installed=False, reason="LMCache is not installed")
-    if not load_config(env=_env()).enable_blending:
+    if not load_config().enable_blending:
         return InstallResult(installed=False, reason="enable_blending is off")
     return install(force=force_requested())
 

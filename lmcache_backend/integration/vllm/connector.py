@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from lmcache_backend.integration.vllm.scheduler import SchedulerSide
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, load_settings
 from lmcache_backend.integration.vllm.worker import WorkerSide
 from lmcache_backend.models.vllm import vllm_fingerprint
+from lmcache_backend.settings import read_variable
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def _route_logs_like_vllm() -> None:
     pkg = logging.getLogger("lmcache_backend")
     if pkg.handlers or pkg.level != logging.NOTSET:
         return  # the application configured logging itself
-    level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+    level = str(read_variable("VLLM_LOGGING_LEVEL")).strip().upper()
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
     pkg.addHandler(handler)

@@ -58,7 +58,7 @@ class Loads:
         read_rows: reads every layer's K/V at some slots (vLLM's prefix-cache rows).
         block_size: tokens per block.
         layers_per_step: ``blend_layers_per_step``.
-        profile: time each load's phases.
+        time_phases: time each load's phases.
         done: receives every completed load.
     """
 
@@ -69,13 +69,13 @@ class Loads:
         read_rows: ReadRows,
         block_size: int,
         layers_per_step: int,
-        profile: bool,
+        time_phases: bool,
         done: LoadDone,
     ) -> None:
         self.blender, self.target, self.read_rows = blender, target, read_rows
         self.block_size, self.layers_per_step = block_size, layers_per_step
-        self.profile, self.done = profile, done
-        self.timer = PhaseTimer() if profile else NO_TIMER
+        self.time_phases, self.done = time_phases, done
+        self.timer = PhaseTimer() if time_phases else NO_TIMER
         self.sliced: dict[str, _Sliced] = {}  # in flight, oldest first
         self._finished: set[str] = set()  # sliced loads done (or cancelled) this step
 
@@ -127,7 +127,7 @@ class Loads:
     def start(self, spec: LoadSpec) -> None:
         """Start ``spec``'s sliced blend; it advances in :meth:`advance`."""
         started = time.perf_counter()
-        timer = PhaseTimer() if self.profile else NO_TIMER
+        timer = PhaseTimer() if self.time_phases else NO_TIMER
         target = self.target.for_sliced_loads()
         job = _Sliced(spec, self._passes(spec, target, timer), target, timer, started)
         job.busy_s = time.perf_counter() - started

@@ -34,7 +34,7 @@ def offline_engine(
         stats_file: where the connector appends one JSON line per blended request.
         connector: False: the same engine without the connector (vLLM alone).
         enable_prefix_caching, enforce_eager, max_model_len, seed: as ``vllm.LLM``'s.
-        extra_config: further ``kv_connector_extra_config`` keys (``profile``, ...).
+        extra_config: further ``kv_connector_extra_config`` keys (``time_phases``, ...).
         llm_kwargs: anything else ``vllm.LLM`` takes (``dtype``, ``tensor_parallel_size``, ...).
     """
     from vllm import LLM

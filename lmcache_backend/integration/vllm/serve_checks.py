@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from typing import Any
 
 from lmcache_backend.config import BlendConfig, load_config
 from lmcache_backend.errors import UsageError
+from lmcache_backend.settings import ENVIRONMENT
+from lmcache_backend.settings.environment import environment
 
 GIB = 1024**3
 GB = 1e9
@@ -88,11 +89,12 @@ def check_config(argv: list[str], model: str) -> BlendConfig:
         ConfigError: a setting is invalid (the message names the key, its source and value).
         UsageError: ``--kv-transfer-config`` is not a JSON object.
     """
-    from lmcache_backend.integration.vllm.settings import CONNECTOR_KEYS
+    from lmcache_backend.settings import CONNECTOR, parse_given
     from lmcache_backend.storage.settings import store_settings
 
-    extra = {k: v for k, v in connector_extra(argv).items() if k not in CONNECTOR_KEYS}
-    config = load_config(**extra)
+    extra = connector_extra(argv)
+    parse_given(CONNECTOR, extra, "kv_connector_extra_config")  # the connector's own keys
+    config = load_config(**extra)  # the engine keys (it leaves the connector's alone)
     layers = model_layers(Path(model))
     if layers is not None:
         config.validate_for_model(layers)
@@ -159,8 +161,8 @@ def cpu_kv_cache(
     free_gib = int(memory.available // GIB)
     if raw != "":
         try:
-            space = int(raw)
-        except ValueError:
+            space = ENVIRONMENT[KV_SPACE_ENV].parse(raw) or 0
+        except (TypeError, ValueError):
             space = 0
         if space < 1:
             raise UsageError(f"{KV_SPACE_ENV}={raw!r}: expected a whole number of GiB >= 1")
@@ -218,7 +220,7 @@ def preflight(argv: list[str], env: Mapping[str, str] | None = None) -> tuple[di
     """
     from lmcache_backend.ops.device import detect_platform
 
-    env = os.environ if env is None else env
+    env = environment() if env is None else env
     model = argv[1]
     config = check_config(argv, model)
     if detect_platform() != "cpu":

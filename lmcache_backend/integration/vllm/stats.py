@@ -80,9 +80,9 @@ class BlendRecord:
     #: of a full prefill's: attention costs by position, so recomputing late tokens costs more
     #: than ``recompute_fraction`` suggests
     attention_fraction: float = 1.0
-    #: milliseconds per phase (``profile: true`` only): the blender's phases, ``prefix read``
-    #: and ``vllm step`` (vLLM's own forward pass of the step that follows the blend)
-    profile: dict[str, float] | None = None
+    #: milliseconds per phase (``time_phases: true`` only): the blender's phases, ``prefix
+    #: read`` and ``vllm step`` (vLLM's own forward pass of the step that follows the blend)
+    phases_ms: dict[str, float] | None = None
     #: engine steps the blend ran in (more than 1 for a sliced load); ``blend_ms`` counts the
     #: blend's own time only, ``blend_wall_ms`` from its start to its end
     blend_steps: int = 1
@@ -115,21 +115,21 @@ class LoadTiming:
 class BlendStats:
     """The worker's records: built from each load's result, logged, appended to ``stats_file``.
 
-    A profiled synchronous load waits for the end of its step (:meth:`finish_step`), so that
+    A timed synchronous load waits for the end of its step (:meth:`finish_step`), so that
     its record can carry the time of vLLM's own forward pass of the question (``vllm step``).
 
     Args:
         num_layers: the model's layers.
         stats_file: JSON-lines file receiving each record, or None.
-        profile: records carry their phase times.
+        time_phases: records carry their phase times (``phases_ms``).
     """
 
-    def __init__(self, num_layers: int, stats_file: str | None, profile: bool) -> None:
+    def __init__(self, num_layers: int, stats_file: str | None, time_phases: bool) -> None:
         self.num_layers = num_layers
         self.stats_file = stats_file
-        self.profile = profile
+        self.time_phases = time_phases
         self.records: list[BlendRecord] = []
-        self._pending: list[BlendRecord] = []  # profiled, waiting for the step's end
+        self._pending: list[BlendRecord] = []  # timed, waiting for the step's end
         self._loads_done = 0.0
 
     def record(
@@ -140,8 +140,8 @@ class BlendStats:
         timing: LoadTiming,
         phases: dict[str, float],
     ) -> BlendRecord:
-        """Build ``spec``'s record and report it (or, profiled and synchronous, at the end of
-        the step)."""
+        """Build ``spec``'s record and report it (or, timed and synchronous, at the end of the
+        step)."""
         n, layers = len(spec.token_ids), self.num_layers
         record = BlendRecord(
             req_id=spec.req_id,
@@ -164,9 +164,9 @@ class BlendStats:
             blend_wall_ms=timing.wall_s * 1000.0,
             salted=spec.cache_salt is not None,
         )
-        if self.profile:
-            record.profile = phases
-        if self.profile and not spec.sliced:
+        if self.time_phases:
+            record.phases_ms = phases
+        if self.time_phases and not spec.sliced:
             self._pending.append(record)
             self._loads_done = time.perf_counter()
         else:  # a sliced load's tail comes in a later step: no "vllm step"
@@ -174,12 +174,12 @@ class BlendStats:
         return record
 
     def finish_step(self) -> None:
-        """After the step's forward pass: report the profiled records with vLLM's step time."""
+        """After the step's forward pass: report the timed records with vLLM's step time."""
         if not self._pending:
             return
         step_ms = (time.perf_counter() - self._loads_done) * 1000.0
         for record in self._pending:
-            record.profile["vllm step"] = round(step_ms, 3)
+            record.phases_ms["vllm step"] = round(step_ms, 3)
             self._report(record)
         self._pending = []
 

@@ -140,7 +140,7 @@ class WorkerSide:
             ops,
             score_reducer=tensor_parallel.summed_over_ranks if settings.tp_size > 1 else None,
         )
-        self.stats = BlendStats(model.num_layers, settings.stats_file, settings.profile)
+        self.stats = BlendStats(model.num_layers, settings.stats_file, settings.time_phases)
         segments = SegmentCache(self.store, model.fingerprint, settings.separator)
         self.saver = SegmentSaver(segments, self.read_rows, self.block_size)
         self.loads = Loads(
@@ -149,7 +149,7 @@ class WorkerSide:
             self.read_rows,
             self.block_size,
             settings.blend_layers_per_step,
-            settings.profile,
+            settings.time_phases,
             self._loaded,
         )
         self.model = model
@@ -255,7 +255,7 @@ class WorkerSide:
         return self.stats.record(spec, result, paged_layers, timing, phases)
 
     def finish_step(self) -> None:
-        """After the step's forward pass: report the profiled records with vLLM's step time."""
+        """After the step's forward pass: report the timed records with vLLM's step time."""
         if self.stats is not None:
             self.stats.finish_step()
 

@@ -131,7 +131,7 @@ def test_the_worker_hands_over_new_blends_and_store_activity_once() -> None:
 
     side = WorkerSide.__new__(WorkerSide)  # the metrics' state only, no engine
     side.rank, side._records_counted, side._store_counted = 0, 0, {}
-    side.stats = BlendStats(num_layers=2, stats_file=None, profile=False)
+    side.stats = BlendStats(num_layers=2, stats_file=None, time_phases=False)
     side.store = TieredStore([MemoryTier("cpu", 1 << 20, name="cpu")])
     kv = SegmentKV(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), 0)
     side.store.put("ab" * 16, kv)
@@ -173,7 +173,7 @@ def test_the_worker_hands_over_segments_the_store_did_not_admit() -> None:
     kv = SegmentKV(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), 0)
     side = WorkerSide.__new__(WorkerSide)  # the metrics' state only, no engine
     side.rank, side._records_counted, side._store_counted = 0, 0, {}
-    side.stats = BlendStats(num_layers=2, stats_file=None, profile=False)
+    side.stats = BlendStats(num_layers=2, stats_file=None, time_phases=False)
     tier = MemoryTier("cpu", kv.nbytes, name="cpu", admission="second_sight")
     side.store = TieredStore([tier])
     for key in ("ab" * 16, "cd" * 16, "ef" * 16):  # the store is full after the first

@@ -100,6 +100,9 @@ def test_preflight_reads_the_users_connector_config(tmp_path, monkeypatch) -> No
     # stats_file is the connector's own key, not a configuration key
     settings, message = preflight(argv({"blend_check_layers": [1], "stats_file": "s.jsonl"}))
     assert set(settings) == {KV_SPACE_ENV} and message  # this machine has no GPU
+    # the connector's own keys are checked too, before vLLM starts
+    with pytest.raises(ConfigError, match=r"selected_attention \(from kv_connector_extra_config\)"):
+        preflight(argv({"selected_attention": "fast"}))
     with pytest.raises(UsageError, match="kv_connector_extra_config is an object"):
         preflight(["serve", model, "--kv-transfer-config", '{"kv_connector_extra_config": 3}'])
 

@@ -42,13 +42,17 @@ def settings_for(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("value", [-1, 1.5, "two", True, None])
 def test_bad_blend_layers_per_step_fails_start(settings_for, value) -> None:
-    with pytest.raises(ConfigError, match=rf"blend_layers_per_step={value!r}: .* or 'auto'"):
+    with pytest.raises(
+        ConfigError, match=rf"blend_layers_per_step \(from .*\) = {value!r}: .* or 'auto'"
+    ):
         settings_for(blend_layers_per_step=value)
 
 
 @pytest.mark.parametrize("value", ["fast", 1, None, True])
 def test_bad_selected_attention_fails_start(settings_for, value) -> None:
-    with pytest.raises(ConfigError, match=rf"selected_attention={value!r}: expected one of"):
+    with pytest.raises(
+        ConfigError, match=rf"selected_attention \(from .*\) = {value!r}: expected one of"
+    ):
         settings_for(selected_attention=value)
 
 

@@ -71,7 +71,7 @@ SCRIPT = textwrap.dedent(
                                      ex.question).token_ids
             for name, order in {"warm": [0, 1, 2, 3, 4, 5], "reordered": [4, 2, 0, 5, 3, 1]}.items()
         }
-        llm = offline_engine(path, stats_file=stats, extra_config={"profile": True},
+        llm = offline_engine(path, stats_file=stats, extra_config={"time_phases": True},
                              enforce_eager=False, max_model_len=2048)
         worker = get_kv_transfer_group()._worker
         captured = []
@@ -147,7 +147,7 @@ def test_engine_forward_matches_the_layerwise_blend(tmp_path) -> None:
         (layerwise, True, False),
         (own_preview, False, False),
     ):
-        phases = record["profile"]
+        phases = record["phases_ms"]
         assert ("preview: engine forward" in phases) == engine_preview, phases
         assert ("preview: rest" in phases) != engine_preview, phases
         assert ("selected: engine forward" in phases) == engine_selected, phases

@@ -44,10 +44,10 @@ def test_valid_params(config, params, expected) -> None:
 @pytest.mark.parametrize(
     "params, logged",
     [
-        ({"blend_recompute_ratios": "x"}, "cannot parse"),
-        ({"blend_recompute_ratios": [2.0]}, "outside [0, 1]"),
-        ({"blend_recompute_ratios": [float("nan")]}, "outside [0, 1]"),
-        ({"blend_recompute_ratios": {"a": 1}}, "cannot parse"),
+        ({"blend_recompute_ratios": "x"}, "ratio 'x': could not convert"),
+        ({"blend_recompute_ratios": [2.0]}, "ratio 2.0: expected a number in [0, 1]"),
+        ({"blend_recompute_ratios": [float("nan")]}, "ratio nan: expected a number in [0, 1]"),
+        ({"blend_recompute_ratios": {"a": 1}}, "(from kv_transfer_params) = {'a': 1}: expected a"),
         ({"blend_recompute_ratios": [0.1, 0.2, 0.3]}, "one ratio or one per check layer"),
         ({"blend_check_layers": [99]}, "layer 99 does not exist"),
         ({"blend_check_layers": [-1]}, ">= 0"),
