@@ -39,6 +39,10 @@ def _model_path(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    if args.docs:
+        from lmcache_backend.settings import docs
+
+        return docs.run(args)
     from lmcache_backend.config import load_config
 
     print(load_config().describe())
@@ -121,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_model_path)
 
     p = sub.add_parser("config", help="print the effective configuration and its sources")
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help="instead: rewrite the key tables of the README and docs/ from the settings registry",
+    )
+    from lmcache_backend.settings import docs as settings_docs
+
+    settings_docs.add_arguments(p)
     p.set_defaults(func=_config)
 
     p = sub.add_parser("doctor", help="versions, matrix row, backend and hooks in use")
