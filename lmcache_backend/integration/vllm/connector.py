@@ -212,6 +212,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # finished_recving: sliced loads completed (or cancelled) this step
+        self._worker.finished(finished_req_ids)
         return None, self._worker.take_finished_loads()
 
     def save_kv_layer(

@@ -19,8 +19,8 @@ from lmcache_backend.integration.vllm.metadata import SaveSpec
 
 logger = logging.getLogger(__name__)
 
-#: requests whose reused rows are kept for their save; older ones (aborted before their save)
-#: are forgotten
+#: requests whose reused rows are kept at most: vLLM reports every finished request
+#: (:meth:`SegmentSaver.forget`); the bound only guards memory against an engine that does not
 _MAX_PENDING = 4096
 
 #: ``slots [N] -> (keys, values)``, per layer ``[N, Hkv, D]`` each, read from the paged cache
@@ -54,10 +54,16 @@ class SegmentSaver:
             while len(self._reused) > _MAX_PENDING:
                 self._reused.pop(next(iter(self._reused)))
 
+    def forget(self, req_id: str) -> None:
+        """``req_id`` finished (or was aborted) before its save: drop what was kept for it."""
+        self._reused.pop(req_id, None)
+
     @torch.inference_mode()
     def save(self, spec: SaveSpec) -> int:
         """Store the segments of ``spec``'s prompt the store lacks; returns how many."""
         tokens = spec.token_ids
+        # consumed by the save it was kept for (a request preempted and prefilled again by
+        # vLLM saves its own K/V next time)
         reused = self._reused.pop(spec.req_id, None)
         segments = self.segments.salted(spec.cache_salt)
         # cached() covers the chunks only: the query tail is never stored. A unit holding rows

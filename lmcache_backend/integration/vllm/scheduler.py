@@ -34,15 +34,21 @@ for other engines sharing the store, and an adapter's K/V must not reach them).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_backend.blend.pays import estimate_blend
 from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
-from lmcache_backend.config import BlendConfig
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata, LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.metrics import CacheBlendStats, take
+from lmcache_backend.integration.vllm.request_state import (
+    Claim,
+    Prompt,
+    RequestState,
+    SlicedStart,
+)
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
 from lmcache_backend.integration.vllm.stats import (
     append_json_line,
@@ -53,27 +59,6 @@ from lmcache_backend.storage import create_lookup
 from lmcache_backend.storage.segments import segment_keys
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Claim:
-    token_ids: list[int]
-    prefix_len: int
-    end: int
-    reusable: int
-    #: the request's own settings, or None: the engine's
-    config: BlendConfig | None
-    sliced: bool = False
-    cache_salt: str | None = None
-
-
-@dataclass
-class _Tracked:
-    """A request whose prompt is still being prefilled."""
-
-    token_ids: list[int]
-    block_ids: list[int] = field(default_factory=list)
-    cache_salt: str | None = None
 
 
 @dataclass
@@ -111,20 +96,12 @@ class SchedulerSide:
             )
             for rank in range(settings.tp_size)
         ]
-        self._claims: dict[str, _Claim] = {}
-        self._tracked: dict[str, _Tracked] = {}
-        # sliced claims: allocated, their load not yet planned (rid -> claim, block ids)
-        self._starting: dict[str, tuple[_Claim, list[int]]] = {}
-        # sliced loads planned and not yet reported finished by the workers
-        self._loading: set[str] = set()
-        self._cancels: list[str] = []
-        # request -> its key namespace (cache_salt), read when vLLM asks about the request and
-        # used when its prompt is planned for saving; a request missing here is never stored
-        self._salts: dict[str, str | None] = {}
-        # request -> (why it is left to vLLM, or None: claimed; claimed tokens), the latest
-        # decision: a reason is recorded once per request, the decision is counted in the
-        # metrics when the request finishes
-        self._decisions: dict[str, tuple[str | None, int]] = {}
+        #: one record per request vLLM asked about and has not finished (request_state.py)
+        self.requests: dict[str, RequestState] = {}
+        # what the next plan carries besides the step's own loads and saves: the cancels (and
+        # loads) of requests finished since the last plan
+        self._next_plan = CacheBlendMetadata()
+        self._allocations = itertools.count()
         self.stats = ClaimStats()
         self._metrics = CacheBlendStats()
 
@@ -140,14 +117,14 @@ class SchedulerSide:
         """Tokens beyond ``num_computed_tokens`` the connector provides (0, or up to the end of
         the last reused span); a request left to vLLM is recorded once with its reason."""
         rid = request.request_id
-        self._claims.pop(rid, None)
         salt = request_salt(request)
+        state = self.requests.setdefault(rid, RequestState(salt))
+        state.salt, state.claim = salt, None
         tokens = list(request.prompt_token_ids or [])
         if getattr(request, "lora_request", None) is not None:
-            self._salts.pop(rid, None)  # never stored: the keys do not know the adapter
-            self._skip(rid, len(tokens), "lora", "segment keys do not know adapters")
+            state.stored = False  # the keys do not know the adapter
+            self._skip(state, rid, len(tokens), "lora", "segment keys do not know adapters")
             return 0
-        self._salts[rid] = salt
         config = request_config(
             self.settings.config,
             getattr(request, "kv_transfer_params", None),
@@ -156,7 +133,7 @@ class SchedulerSide:
         )
         if config is None:
             off = not self.settings.config.enable_blending
-            self._skip(rid, len(tokens), "blending off" if off else "opted out")
+            self._skip(state, rid, len(tokens), "blending off" if off else "opted out")
             return 0
         self.stats.requests += 1
         pattern = self.settings.separator
@@ -198,10 +175,12 @@ class SchedulerSide:
                 f"{estimate.fresh} of the claim to compute)"
             )
         if kind is not None:
-            self._skip(rid, len(tokens), kind, detail, reusable, len(hits), estimate.cost_share)
+            self._skip(
+                state, rid, len(tokens), kind, detail, reusable, len(hits), estimate.cost_share
+            )
             return 0
         claim = end - num_computed_tokens
-        self._claims[rid] = _Claim(
+        state.claim = Claim(
             token_ids=tokens,
             prefix_len=num_computed_tokens,
             end=end,
@@ -210,9 +189,8 @@ class SchedulerSide:
             sliced=self.settings.blend_layers_per_step > 0
             and config.blend_selection in PREVIEW_SELECTIONS
             and claim >= self.settings.slice_from_tokens,
-            cache_salt=salt,
         )
-        self._decisions[rid] = (None, claim)
+        state.left_to_vllm, state.claimed_tokens = None, claim
         self.stats.claimed_requests += 1
         self.stats.claimed_tokens += claim
         logger.info(
@@ -232,6 +210,7 @@ class SchedulerSide:
 
     def _skip(
         self,
+        state: RequestState,
         rid: str,
         num_tokens: int,
         reason: str,
@@ -242,9 +221,9 @@ class SchedulerSide:
     ) -> None:
         """Record that ``rid`` is left to vLLM, once per request (vLLM may ask again while the
         request waits for blocks). ``reason`` is one of :data:`SKIP_REASONS`."""
-        if self._decisions.get(rid, (None, 0))[0] == reason:
+        if state.left_to_vllm == reason:
             return
-        self._decisions[rid] = (reason, 0)
+        state.left_to_vllm, state.claimed_tokens = reason, 0
         self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
         logger.info(
             "CacheBlend leaves request %s (%d tokens) to vLLM: %s%s",
@@ -259,88 +238,97 @@ class SchedulerSide:
 
     def is_sliced(self, request: Any) -> bool:
         """Whether the claim just made for ``request`` is loaded asynchronously."""
-        claim = self._claims.get(request.request_id)
-        return claim is not None and claim.sliced
+        state = self.requests.get(request.request_id)
+        return state is not None and state.claim is not None and state.claim.sliced
 
     def after_alloc(self, request: Any, num_external_tokens: int, block_ids: Any = None) -> None:
         """vLLM allocated ``request``'s blocks (``block_ids``: the first KV-cache group's, read
         for a sliced claim, whose load is planned now: the request is not scheduled)."""
-        rid = request.request_id
-        if num_external_tokens == 0:  # vLLM chose not to load (e.g. a longer local hit)
-            self._claims.pop(rid, None)
+        state = self.requests.get(request.request_id)
+        if state is None or state.claim is None:
             return
-        claim = self._claims.get(rid)
-        if claim is not None and claim.sliced:
-            self._starting[rid] = (self._claims.pop(rid), list(block_ids or []))
+        if num_external_tokens == 0:  # vLLM chose not to load (e.g. a longer local hit)
+            state.claim = None
+        elif state.claim.sliced:
+            blocks = list(block_ids or [])
+            state.sliced_start = SlicedStart(state.claim, blocks, next(self._allocations))
+            state.claim = None
 
     def loads_finished(self, req_ids: Any) -> None:
         """The workers reported these loads finished (``finished_recving``)."""
         for rid in req_ids or ():
-            self._loading.discard(rid)
+            state = self.requests.get(rid)
+            if state is not None:
+                state.loading = False
 
     # -- per-step plan --------------------------------------------------------------------
 
     def build(self, scheduler_output: Any) -> CacheBlendMetadata:
-        meta = CacheBlendMetadata(cancels=self._cancels)
-        self._cancels = []
-        for rid, (claim, block_ids) in self._starting.items():
-            meta.loads.append(self._load_spec(rid, claim, claim.token_ids, block_ids, sliced=True))
-            self._loading.add(rid)
-        self._starting = {}
-        self._loading.difference_update(meta.cancels)
+        meta, self._next_plan = self._next_plan, CacheBlendMetadata()
+        starting = [(s.sliced_start.order, r) for r, s in self.requests.items() if s.sliced_start]
+        for _, rid in sorted(starting):
+            meta.loads.append(self._start_sliced(rid, self.requests[rid]))
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id not in self._salts:
-                # never asked about (a LoRA request, or a path that skipped the connector):
-                # its namespace is unknown, so nothing of it is stored
+            state = self.requests.get(new.req_id)
+            if state is None or not state.stored:
+                # never asked about (a path that skipped the connector) or a LoRA request: its
+                # namespace is unknown, or its K/V must not be shared, so nothing is stored
                 continue
-            tokens = list(new.prompt_token_ids or [])
-            tracked = _Tracked(tokens, list(new.block_ids[0]), self._salts[new.req_id])
-            self._tracked[new.req_id] = tracked
-            self._plan(meta, new.req_id, tracked, new.num_computed_tokens, scheduled)
+            state.prompt = Prompt(list(new.prompt_token_ids or []), list(new.block_ids[0]))
+            self._plan(meta, new.req_id, state, new.num_computed_tokens, scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             resumed = self.profile.resumed(cached, i)
-            tracked = self._tracked.get(rid)
-            if tracked is None:
-                claim = self._claims.get(rid)
-                if claim is None or not resumed:
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            if state.prompt is None:
+                if state.claim is None or not resumed:
                     continue
-                # Preempted after its prompt was complete (tracking had ended), resumed, and
+                # Preempted after its prompt was complete (following it had ended), resumed, and
                 # claimed again: vLLM now counts the claimed tokens as computed, so they must be
                 # loaded into the new blocks, or decoding would read whatever those blocks held.
-                tracked = _Tracked(claim.token_ids, cache_salt=claim.cache_salt)
-                self._tracked[rid] = tracked
+                state.prompt = Prompt(state.claim.token_ids)
                 logger.info("request %s resumed after preemption: blending its prompt again", rid)
             new_blocks = cached.new_block_ids[i]
             if resumed:
-                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.prompt.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
-                tracked.block_ids.extend(new_blocks[0])
-            self._plan(meta, rid, tracked, cached.num_computed_tokens[i], scheduled)
+                state.prompt.block_ids.extend(new_blocks[0])
+            self._plan(meta, rid, state, cached.num_computed_tokens[i], scheduled)
         return meta
+
+    def _start_sliced(self, rid: str, state: RequestState) -> LoadSpec:
+        """The load of ``rid``'s sliced claim, whose blocks vLLM allocated; it is in flight
+        from now until the workers report it finished."""
+        start = state.sliced_start
+        spec = self._load_spec(rid, state.salt, start.claim, start.claim.token_ids, start.block_ids)
+        state.sliced_start, state.loading = None, True
+        return spec
 
     def _plan(
         self,
         meta: CacheBlendMetadata,
         rid: str,
-        tracked: _Tracked,
+        state: RequestState,
         num_computed: int,
         scheduled: dict[str, int],
     ) -> None:
-        claim = self._claims.pop(rid, None)
+        prompt, claim = state.prompt, state.claim
         if claim is not None and num_computed == claim.end:
-            meta.loads.append(self._load_spec(rid, claim, tracked.token_ids, tracked.block_ids))
-        if num_computed + scheduled.get(rid, 0) >= len(tracked.token_ids):
-            # the prompt's K/V are complete after this step: store its segments, stop tracking
-            meta.saves.append(
-                SaveSpec(rid, tracked.token_ids, list(tracked.block_ids), tracked.cache_salt)
+            meta.loads.append(
+                self._load_spec(rid, state.salt, claim, prompt.token_ids, prompt.block_ids)
             )
-            self._tracked.pop(rid, None)
+        state.claim = None
+        if num_computed + scheduled.get(rid, 0) >= len(prompt.token_ids):
+            # the prompt's K/V are complete after this step: store its segments, stop following
+            meta.saves.append(SaveSpec(rid, prompt.token_ids, list(prompt.block_ids), state.salt))
+            state.prompt = None
 
     @staticmethod
     def _load_spec(
-        rid: str, claim: _Claim, tokens: list[int], block_ids: list[int], sliced: bool = False
+        rid: str, salt: str | None, claim: Claim, tokens: list[int], block_ids: list[int]
     ) -> LoadSpec:
         return LoadSpec(
             rid,
@@ -349,8 +337,8 @@ class SchedulerSide:
             claim.prefix_len,
             claim.end,
             claim.config,
-            sliced,
-            claim.cache_salt,
+            claim.sliced,
+            salt,
         )
 
     def take_metrics(self) -> CacheBlendStats | None:
@@ -365,23 +353,23 @@ class SchedulerSide:
             lookup.close(wait_s=2.0)
 
     def finished(self, request: Any) -> None:
+        """``request`` finished or was aborted: count its decision, cancel its sliced load, and
+        forget it (the one place a request's record is removed)."""
         rid = request.request_id
-        self._claims.pop(rid, None)
-        self._tracked.pop(rid, None)
-        self._salts.pop(rid, None)
-        decision = self._decisions.pop(rid, None)
-        if decision is not None:
-            reason, claimed = decision
-            self._metrics.inc("vllm:cacheblend_requests")
-            if reason is None:
-                self._metrics.inc("vllm:cacheblend_requests_claimed")
-                self._metrics.inc("vllm:cacheblend_claimed_tokens", claimed)
-            else:
-                self._metrics.inc("vllm:cacheblend_requests_left_to_vllm", label=reason)
+        state = self.requests.pop(rid, None)
+        if state is None:
+            return
+        self._metrics.inc("vllm:cacheblend_requests")
+        if state.left_to_vllm is None:
+            self._metrics.inc("vllm:cacheblend_requests_claimed")
+            self._metrics.inc("vllm:cacheblend_claimed_tokens", state.claimed_tokens)
+        else:
+            self._metrics.inc("vllm:cacheblend_requests_left_to_vllm", label=state.left_to_vllm)
         # vLLM frees the blocks of a request aborted while loading only once a worker reports
         # it in finished_recving: a load not yet planned is planned and cancelled in one step
         # (workers start a step's loads before its cancels), one in flight is dropped by the
         # workers before their next slice.
-        if rid in self._starting or rid in self._loading:
-            self._loading.discard(rid)
-            self._cancels.append(rid)
+        if state.sliced_start is not None:
+            self._next_plan.loads.append(self._start_sliced(rid, state))
+        if state.loading:
+            self._next_plan.cancels.append(rid)

@@ -238,6 +238,15 @@ class WorkerSide:
         if self.loads is not None and self.loads.sliced:
             self.loads.advance(self.model.num_layers - 1)
 
+    def finished(self, req_ids: Any) -> None:
+        """vLLM reports these requests finished or aborted (``get_finished``): forget them.
+        The worker keeps two things per request: a sliced blend in flight (:class:`.Loads`,
+        ended when it completes or by the scheduler's cancel, which comes first) and the rows a
+        blend reused, kept for the prompt's save (:class:`.SegmentSaver`), dropped here."""
+        if self.saver is not None:
+            for rid in req_ids or ():
+                self.saver.forget(rid)
+
     def take_finished_loads(self) -> set[str] | None:
         """Sliced loads completed or cancelled since the last call (``finished_recving``)."""
         return None if self.loads is None else self.loads.take_finished()

@@ -71,8 +71,8 @@ def _step(side, requests: list) -> object:
             req_id=r.request_id,
             prompt_token_ids=r.prompt_token_ids,
             block_ids=([0],),
-            num_computed_tokens=side._claims[r.request_id].end
-            if r.request_id in side._claims
+            num_computed_tokens=side.requests[r.request_id].claim.end
+            if side.requests[r.request_id].claim is not None
             else 0,
         )
         for r in requests

@@ -82,7 +82,7 @@ def test_scheduler_and_hf_engine_share_the_split(smol, sep, tmp_path, monkeypatc
     # computes (never served from the store, never claimed)
     assert claimed == cache.pattern.claim_end(second, hits) < len(second) - 1
     assert "Which one?" in tok.decode(second[claimed:])
-    assert scheduler._claims["r"].reusable == sum(len(s) for s in hits)
+    assert scheduler.requests["r"].claim.reusable == sum(len(s) for s in hits)
     # a prefix hit reaching into the question leaves the connector nothing to claim
     assert scheduler.num_new_matched_tokens(request, claimed) == 0
     # and the blender finds exactly those tokens
