@@ -66,12 +66,11 @@ def estimate_blend(
     of them from the store, with ``config``'s selection (see the module docstring)."""
     fresh = max(0, end - prefix - reused)
     tail = num_tokens - end
-    schedule = config.check_schedule()
-    ratio = schedule[-1][1]
+    ratio = config.final_ratio()
     if config.blend_selection in PREVIEW_SELECTIONS:
         layers = float(num_layers) * (tail + fresh + ratio * reused) + num_layers * tail
     else:
-        first = schedule[0][0] + 1  # every claimed token up to the first check layer
+        first = config.blend_check_layers[0] + 1  # every claimed token up to the first check layer
         layers = first * (end - prefix) + (num_layers - first) * (fresh + ratio * reused)
         layers += num_layers * tail
     full = float(num_layers) * max(num_tokens - prefix, 1)

@@ -45,8 +45,7 @@ def preview_selection(
     """
     config = meta.config
     valid = meta.valid_mask
-    ratio = list(meta.schedule.values())[-1]
-    count = selection_count(ratio, int(valid.sum()), meta.num_reusable)
+    count = selection_count(config.final_ratio(), int(valid.sum()), meta.num_reusable)
     chosen = ~valid
     chosen[-1] = True
     if count == 0:  # naive reuse: nothing to choose, no preview
