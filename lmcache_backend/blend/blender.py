@@ -41,7 +41,12 @@ from lmcache_backend.blend.layer_blend import blend_layer_kv
 from lmcache_backend.blend.layers import run_layers
 from lmcache_backend.blend.planning import plan_request
 from lmcache_backend.blend.preview import preview_selection
-from lmcache_backend.blend.request import BlendMetadata, BlendRequest, BlendResult
+from lmcache_backend.blend.request import (  # noqa: F401 - REQUEST_FIELDS: public name
+    REQUEST_FIELDS,
+    BlendMetadata,
+    BlendRequest,
+    BlendResult,
+)
 from lmcache_backend.blend.retriever import SPTBlendRetriever
 from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
 from lmcache_backend.blend.timing import NO_TIMER
@@ -50,8 +55,9 @@ from lmcache_backend.models.base import ModelAdapter
 from lmcache_backend.ops import Ops, get_ops
 from lmcache_backend.storage.segments import SegmentStore
 
-#: :class:`BlendRequest` fields a call may pass as keyword arguments
-REQUEST_FIELDS = ("cached_prefix", "recompute", "compute_end", "strict_end", "config")
+#: what LMCache's connector passes to ``LMCBlender.blend`` besides the request: its KV buffers,
+#: which this blender does not use (it writes through its ``gpu_connector``)
+LMCACHE_BUFFER_ARGS = ("kvcaches", "slot_mapping")
 
 
 def run_to_end(steps: Generator[Any, None, Any]) -> Any:
@@ -133,7 +139,7 @@ class LMCBlender:
     ) -> BlendMetadata:
         """Look the request's segments up and decide whether to blend; ``request`` takes
         :class:`BlendRequest`'s fields (``cached_prefix``, ``recompute``, ``compute_end``,
-        ``strict_end``, ``config``)."""
+        ``strict_end``, ``config``, ``cache_salt``; another name is a ``TypeError``)."""
         return self._plan(BlendRequest.of(tokens, mask=mask, **request), self.timer)
 
     def _plan(self, request: BlendRequest, timer: Any) -> BlendMetadata:
@@ -238,10 +244,11 @@ class LMCBlender:
     def blend(
         self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None, **kwargs
     ) -> BlendResult:
-        """Run CacheBlend for one request; see the module docstring. ``kwargs`` may hold
-        :class:`BlendRequest`'s fields; other keys (LMCache passes KV buffers this way) are
-        ignored."""
-        request = {k: kwargs[k] for k in REQUEST_FIELDS if k in kwargs}
+        """Run CacheBlend for one request; see the module docstring. ``kwargs`` holds
+        :class:`BlendRequest`'s fields (``cache_salt`` included); LMCache's KV buffers
+        (:data:`LMCACHE_BUFFER_ARGS`) are accepted and not used; any other name is a
+        ``TypeError`` naming it."""
+        request = {k: v for k, v in kwargs.items() if k not in LMCACHE_BUFFER_ARGS}
         return run_to_end(self.blend_layer(tokens, mask, **request))
 
 

@@ -7,6 +7,7 @@ heads, ``D`` head dim.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,9 +58,27 @@ class BlendRequest:
 
     @classmethod
     def of(cls, tokens: torch.Tensor | Sequence[int], **fields: Any) -> BlendRequest:
-        """A request for ``tokens`` (a tensor or a sequence of ids) with ``fields``."""
+        """A request for ``tokens`` (a tensor or a sequence of ids) with ``fields``.
+
+        Raises:
+            TypeError: a name in ``fields`` is not a request field (one line naming it and the
+                fields there are).
+        """
+        unknown = sorted(set(fields) - set(REQUEST_FIELDS))
+        if unknown:
+            raise TypeError(
+                f"unknown blend request field(s) {', '.join(map(repr, unknown))}: a request "
+                f"takes {', '.join(REQUEST_FIELDS)}"
+            )
         ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         return cls(token_ids=ids, **fields)
+
+
+#: :class:`BlendRequest` fields a call may pass by name besides the tokens (every entry point of
+#: :class:`~lmcache_backend.blend.blender.LMCBlender` takes them all)
+REQUEST_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(BlendRequest) if f.name != "token_ids"
+)
 
 
 @dataclass

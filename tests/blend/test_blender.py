@@ -566,3 +566,34 @@ def test_strict_end_fallback_prefills_the_head_alone(tiny) -> None:
     warm_store(model, cache, rag_prompt(SYS, C1, Q1))
     with pytest.raises(ValueError, match="strict_end"):
         checking.blend(tokens, compute_end=end, strict_end=True)
+
+
+def test_blend_keeps_tenants_apart_through_cache_salt() -> None:
+    """Every entry point takes the request's ``cache_salt``: a tenant reuses only the segments
+    stored under its own salt (unsalted ones only without a salt)."""
+    model = tiny_model("llama")
+    blender, cache = setup_blender(model)
+    warm_store(model, cache.salted("tenant-A"), rag_prompt(SYS, C1, C2, C3, Q1))
+    tokens = rag_prompt(SYS, C3, C1, C2, Q2)
+    reusable = len(tokens) - len(Q2)
+    assert blender.blend(tokens, cache_salt="tenant-A").num_reusable == reusable
+    for salt in ("tenant-B", None):
+        result = blender.blend(tokens, cache_salt=salt)
+        assert result.num_reusable == 0, salt
+    assert blender.blend(tokens).num_reusable == 0
+    _, stepped = collect_steps(blender.blend_layer(tokens, cache_salt="tenant-A"))
+    assert stepped.num_reusable == reusable
+    assert blender.start_request(tokens, cache_salt="tenant-A").num_reusable == reusable
+
+
+@pytest.mark.parametrize("entry", ["blend", "blend_layer", "blend_passes", "start_request"])
+def test_an_unknown_request_field_is_refused_in_one_line(entry) -> None:
+    blender, _ = setup_blender(tiny_model("llama"))
+    tokens = rag_prompt(SYS, C1, Q1)
+    with pytest.raises(TypeError) as err:
+        call = getattr(blender, entry)(tokens, cache_slt="tenant-A")
+        next(call) if entry in ("blend_layer", "blend_passes") else None
+    message = str(err.value)
+    assert "'cache_slt'" in message and "cache_salt" in message and "\n" not in message
+    # LMCache's KV buffers are accepted by blend() and not used
+    assert blender.blend(tokens, None, kvcaches=None, slot_mapping=None).num_tokens == len(tokens)

@@ -3,6 +3,10 @@
 This is the engine the demo and the benchmark drive on CPU; inside vLLM the connector plays its
 role. Time to first token (TTFT) is measured from receiving the prompt's token ids to holding the
 first generated token, store lookups included.
+
+Tenants: every call that reads or writes the store takes a ``cache_salt``, as vLLM's requests
+do: segments stored under one salt are reused only by requests of the same salt (``None``:
+unsalted segments only).
 """
 
 from __future__ import annotations
@@ -154,36 +158,43 @@ class HFBlendEngine:
 
     @torch.no_grad()
     def blend_prefill(
-        self, token_ids: Sequence[int], ratios: Sequence[float] | None = None
+        self,
+        token_ids: Sequence[int],
+        ratios: Sequence[float] | None = None,
+        cache_salt: str | None = None,
     ) -> Prefill:
-        """CacheBlend prefill with ``ratios`` (default: the configured ones)."""
+        """CacheBlend prefill with ``ratios`` (default: the configured ones), reusing the
+        segments stored under ``cache_salt`` only."""
         start = time.perf_counter()
-        result = self.blender.blend(list(token_ids), config=self.request_config(ratios))
+        config = self.request_config(ratios)
+        result = self.blender.blend(list(token_ids), config=config, cache_salt=cache_salt)
         result.logits.argmax()
         ttft = time.perf_counter() - start
         return Prefill(result.logits, result.keys, result.values, ttft, blend=result)
 
-    def store_prompt(self, token_ids: Sequence[int], prefill: Prefill) -> int:
-        """Store the segments of a computed prompt; returns how many were new.
+    def store_prompt(
+        self, token_ids: Sequence[int], prefill: Prefill, cache_salt: str | None = None
+    ) -> int:
+        """Store the segments of a computed prompt under ``cache_salt``; returns how many were
+        new.
 
         After a full prefill every segment is stored. After a blended prefill only the segments
         that were not reused: they were computed fresh in every layer, the reused ones hold
         blended K/V.
         """
         tokens = list(token_ids)
+        segments = self.segment_cache.salted(cache_salt)
         only = None
         if prefill.blend is not None and prefill.blend.blended:
             valid = prefill.blend.valid_mask
-            only = [
-                seg
-                for seg in self.segment_cache.segments(tokens)
-                if not bool(valid[seg.start : seg.end].any())
-            ]
-        return self.segment_cache.store_segments(tokens, prefill.keys, prefill.values, only)
+            cut = segments.segments(tokens)
+            only = [seg for seg in cut if not bool(valid[seg.start : seg.end].any())]
+        return segments.store_segments(tokens, prefill.keys, prefill.values, only)
 
-    def warm(self, token_ids: Sequence[int]) -> int:
-        """Full prefill of ``token_ids`` and store every segment; returns the number stored."""
-        return self.store_prompt(token_ids, self.full_prefill(token_ids))
+    def warm(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Full prefill of ``token_ids`` and store every segment under ``cache_salt``; returns
+        the number stored."""
+        return self.store_prompt(token_ids, self.full_prefill(token_ids), cache_salt)
 
     @torch.no_grad()
     def decode(self, token_ids: Sequence[int], prefill: Prefill, max_new_tokens: int) -> Generation:
@@ -208,12 +219,14 @@ class HFBlendEngine:
         strategy: str = "blend",
         ratios: Sequence[float] | None = None,
         max_new_tokens: int = 32,
+        cache_salt: str | None = None,
     ) -> Generation:
-        """Prefill with ``strategy`` (``"full"`` or ``"blend"``) and decode greedily."""
+        """Prefill with ``strategy`` (``"full"`` or ``"blend"``, reusing ``cache_salt``'s
+        segments) and decode greedily."""
         if strategy == "full":
             prefill = self.full_prefill(token_ids)
         elif strategy == "blend":
-            prefill = self.blend_prefill(token_ids, ratios)
+            prefill = self.blend_prefill(token_ids, ratios, cache_salt)
         else:
             raise ValueError(f"strategy must be 'full' or 'blend', got {strategy!r}")
         return self.decode(token_ids, prefill, max_new_tokens)

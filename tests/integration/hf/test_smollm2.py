@@ -113,6 +113,24 @@ def test_blended_prompt_stores_new_chunks_never_the_question(engine, prompts) ->
     assert not engine.store.contains(keys[-1])  # the question is never stored
 
 
+def test_tenants_with_different_salts_share_nothing(engine, prompts) -> None:
+    """The HF engine takes vLLM's ``cache_salt``: a tenant's stored chunks are reused by that
+    tenant only, and what a salted request stores stays under its salt."""
+    first, second = prompts[1]  # the store holds `first` unsalted
+    engine.warm(first, cache_salt="tenant-A")
+    reused = engine.blend_prefill(second, [0.15], cache_salt="tenant-A").blend
+    assert reused.blended and reused.num_reusable > 0
+    other = engine.blend_prefill(second, [0.15], cache_salt="tenant-B").blend
+    assert other.num_reusable == 0
+    generation = engine.generate(second, "blend", [0.15], 4, cache_salt="tenant-B")
+    assert generation.prefill.blend.num_reusable == 0
+    # tenant B's full prefill stores under B: A's entries and the unsalted ones are untouched
+    assert engine.store_prompt(second, engine.full_prefill(second), cache_salt="tenant-B") > 0
+    salted_b = engine.segment_cache.salted("tenant-B")
+    assert all(held for _, held in salted_b.cached(second))
+    assert engine.blend_prefill(second, [0.15], cache_salt="tenant-B").blend.num_reusable > 0
+
+
 def test_cached_question_is_still_recomputed(engine, prompts) -> None:
     """A question an earlier prompt held (even stored by hand) is never served from the store."""
     first, second = prompts[0]
