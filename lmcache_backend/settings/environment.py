@@ -91,6 +91,16 @@ ENVIRONMENT_VARIABLES: tuple[Setting, ...] = (
         owner="vLLM",
     ),
     _variable(
+        "VLLM_V1_USE_PREFILL_DECODE_ATTENTION",
+        p.optional(p.text(), "true or 1 (any case) for on, as vLLM reads it"),
+        None,
+        "vLLM 0.10's switch to another read of the TRITON_ATTN cache; the connector refuses "
+        "that cache at start-up when it is on",
+        details="vLLM reads this KV-cache form in another element order then "
+        "(`PagedAttention.split_kv_cache`), one CacheBlend does not write",
+        owner="vLLM",
+    ),
+    _variable(
         "TRITON_INTERPRET",
         p.optional(p.boolean(), "true or false (1/0)"),
         None,

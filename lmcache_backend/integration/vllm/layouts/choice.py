@@ -28,7 +28,6 @@ scales), the FRACTAL_NZ cache of 310P cards, an unrecorded memory order, vLLM's 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +43,7 @@ from lmcache_backend.integration.vllm.layouts.device import (
     DeviceLayout,
 )
 from lmcache_backend.ops import Ops
+from lmcache_backend.settings.environment import read_variable
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def _refuse(reason: str, cache: Any, backend: str | None) -> UnsupportedKVCache:
 def env_flag(name: str) -> str | None:
     """The value of vLLM's boolean environment variable ``name`` when it is on, read as
     ``vllm/envs.py`` reads it (``"true"`` or ``"1"``, any case); ``None`` when off or unset."""
-    value = os.environ.get(name)
+    value = read_variable(name)
     return value if value is not None and value.lower() in ("true", "1") else None
 
 
