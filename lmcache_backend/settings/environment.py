@@ -101,6 +101,15 @@ ENVIRONMENT_VARIABLES: tuple[Setting, ...] = (
         owner="vLLM",
     ),
     _variable(
+        "REDIS_SERVICE_NAME",
+        p.optional(p.text(allow_empty=False)),
+        None,
+        "the Sentinel master's name when neither the `redis-sentinel://` URL's path nor "
+        "`extra_config.remote_sentinel_master` gives it",
+        default_doc="unset: `redismaster`",
+        owner="LMCache",
+    ),
+    _variable(
         "TRITON_INTERPRET",
         p.optional(p.boolean(), "true or false (1/0)"),
         None,

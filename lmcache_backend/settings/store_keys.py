@@ -21,6 +21,20 @@ def _seconds(minimum: float = 0.0, above: bool = True) -> p.Parser:
     return p.number(minimum, above_minimum=above, unit="(s)")
 
 
+def _key_prefix() -> p.Parser:
+    """Non-empty text without braces: a brace would make the prefix a Redis Cluster hash tag,
+    and every key ends with its segment's own tag ``{<key>}``."""
+    inner = p.text(allow_empty=False)
+
+    def convert(value) -> str:
+        text = inner(value)
+        if "{" in text or "}" in text:
+            raise ValueError("must not hold { or }: keys end with the segment's hash tag {<key>}")
+        return text
+
+    return p.Parser(convert, "non-empty text without { or }")
+
+
 STORE_KEYS: tuple[Setting, ...] = (
     # vLLM's KV cache needs the accelerator's memory: off unless asked for
     _store(
@@ -66,10 +80,28 @@ STORE_KEYS: tuple[Setting, ...] = (
     ),
     _store(
         "remote_key_prefix",
-        p.optional(p.text(allow_empty=False)),
+        p.optional(_key_prefix()),
         None,
         "namespace of the keys in Redis",
+        details="no braces: each key ends with its segment's Redis Cluster hash tag",
         default_doc="`lmcache_backend:segment:`",
+    ),
+    _store(
+        "remote_cluster",
+        p.optional(p.boolean(), "true or false, or null"),
+        None,
+        "`remote_url` is a Redis Cluster (`true`) or one server (`false`)",
+        details="unset, the URL and the server say (a `redis+cluster://` "
+        "scheme, several nodes, `?cluster=true`, or a node that reports `cluster_enabled`) "
+        "([shared tier](docs/storage.md#the-shared-tier-one-server-a-cluster-or-sentinel))",
+        default_doc="unset: detected",
+    ),
+    _store(
+        "remote_sentinel_master",
+        p.optional(p.text(allow_empty=False)),
+        None,
+        "the Sentinel master's name, for a `redis-sentinel://` URL without a `/<name>` path",
+        default_doc="`$REDIS_SERVICE_NAME`, else `redismaster` (LMCache's)",
     ),
     _store(
         "remote_timeout",

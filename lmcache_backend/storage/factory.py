@@ -1,10 +1,10 @@
 """Build the tiered store (worker side) and the segment lookup (scheduler side) from config.
 
 LMCache keys used: ``local_cpu``, ``max_local_cpu_size`` (GB), ``local_disk`` (folder, optionally
-``file://``-prefixed), ``max_local_disk_size`` (GB), ``remote_url`` (``redis://``,
-``rediss://`` or ``unix://``). Settings without an LMCache name are read from ``extra_config``
-(see :data:`~lmcache_backend.storage.settings.EXTRA_DEFAULTS`), checked by
-:func:`~lmcache_backend.storage.settings.store_settings`.
+``file://``-prefixed), ``max_local_disk_size`` (GB), ``remote_url`` (one Redis server, a Redis
+Cluster or Sentinel: :mod:`lmcache_backend.storage.redis_url`). Settings without an LMCache name
+are read from ``extra_config`` (see :data:`~lmcache_backend.storage.settings.EXTRA_DEFAULTS`),
+checked by :func:`~lmcache_backend.storage.settings.store_settings`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from lmcache_backend.storage.tiered import TieredStore
 logger = logging.getLogger(__name__)
 
 GB = 1024**3
-REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def _disk_folder(config: BlendConfig) -> str | None:
@@ -57,26 +56,17 @@ def _index(
 
 
 def _remote(
-    config: BlendConfig,
     settings: StoreSettings,
     fingerprint: str | None,
     layout: ExpectedLayout | None,
     shard: str = "",
 ) -> Tier | None:
-    url = config.remote_url
-    if not url:
-        return None
-    if not url.startswith(REMOTE_SCHEMES):
-        logger.warning(
-            "remote_url %r is not a Redis URL (%s); the remote tier is off",
-            url,
-            ", ".join(REMOTE_SCHEMES),
-        )
+    if settings.remote is None:
         return None
     from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier
 
     return RedisTier(
-        url,
+        settings.remote,
         fingerprint=fingerprint,
         layout=layout,
         prefix=(settings.remote_key_prefix or DEFAULT_PREFIX) + (f"{shard}:" if shard else ""),
@@ -149,7 +139,7 @@ def create_store(
             tiers.append(DiskTier(folder, int(config.max_local_disk_size * GB), fp, layout))
         else:
             logger.warning("local_disk=%r is ignored: max_local_disk_size is 0 GB", folder)
-    remote = _remote(config, settings, fp, layout, shard)
+    remote = _remote(settings, fp, layout, shard)
     if remote is not None:
         tiers.append(remote)
     if not tiers:
@@ -174,5 +164,5 @@ def create_lookup(
     of one tensor-parallel rank (see :func:`create_store`).
     """
     settings = store_settings(config)
-    remote = _remote(config, settings, None, None, shard)
+    remote = _remote(settings, None, None, shard)
     return SegmentLookup(_index(settings, instance_id, index_dir, create=False), remote)

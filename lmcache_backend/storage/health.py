@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from lmcache_backend.logtext import shorten
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,6 +43,7 @@ class ConnectionGuard:
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
         self.outages = 0  # number of outages seen, for stats and tests
+        self.reconnects = 0  # outages that ended: the service answered again
 
     @property
     def available(self) -> bool:
@@ -63,7 +66,7 @@ class ConnectionGuard:
             "retrying in the background",
             self.name,
             type(exc).__name__,
-            exc,
+            shorten(str(exc)),
         )
 
     def _reconnect_loop(self) -> None:
@@ -77,6 +80,7 @@ class ConnectionGuard:
             with self._lock:
                 since = self._down_since
                 self._down_since = None
+                self.reconnects += 1
             logger.info(
                 "remote store %s reachable again after %.1f s",
                 self.name,

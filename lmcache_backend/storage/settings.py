@@ -22,6 +22,7 @@ from lmcache_backend.settings import STORE, dataclass_fields, parse_given, with_
 from lmcache_backend.settings.environment import FORCE_LMCACHE_EXTRA_KEY
 from lmcache_backend.settings.registry import closest
 from lmcache_backend.settings.store_keys import MIN_SECRET_BYTES
+from lmcache_backend.storage.redis_url import RedisTarget, parse_remote_url
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +38,16 @@ StoreSettings = make_dataclass(
     [
         *dataclass_fields({k: s for k, s in STORE.items() if k not in SECRET_KEYS}),
         ("secret", Any, field(default=None, repr=False)),
+        ("remote", RedisTarget | None, field(default=None)),
     ],
     frozen=True,
     namespace={
         "__module__": __name__,
         "__doc__": "The store's ``extra_config`` settings, checked: one field per store key of "
         "the registry, the secrets replaced by ``secret``, the shared secret's bytes (from "
-        "``shared_secret`` or the file named by ``shared_secret_file``), or None.",
+        "``shared_secret`` or the file named by ``shared_secret_file``), or None; ``remote`` "
+        "is ``remote_url`` parsed with ``remote_cluster`` and ``remote_sentinel_master`` "
+        "(None without a ``remote_url``).",
     },
 )
 
@@ -81,7 +85,15 @@ def store_settings(config: BlendConfig) -> StoreSettings:
     if raw is not None and not config.remote_url:
         key = SECRET_KEYS[secret is None]
         logger.warning("extra_config.%s has no effect without remote_url", key)
-    return StoreSettings(**values, secret=raw)
+    remote = None
+    if config.remote_url:
+        remote = parse_remote_url(
+            config.remote_url,
+            cluster=values["remote_cluster"],
+            sentinel_master=values["remote_sentinel_master"],
+            where=config.sources.get("remote_url", "argument"),
+        )
+    return StoreSettings(**values, secret=raw, remote=remote)
 
 
 def _warn_misspelt(extra: dict, where: str) -> None:

@@ -145,8 +145,13 @@ class TieredStore(SegmentStore):
         """Hits per tier, misses, bytes held per tier, entries (``stored``) and their bytes
         (``stored_bytes``) written to each tier, entries that left each tier (``evicted``:
         evicted, or removed as corrupted), and the values a shared tier refused for a missing or
-        wrong authentication tag (``rejected``), and the new segments a tier's admission policy
-        did not store (``admission_skipped``). Counts are since the store was built."""
+        wrong authentication tag (``rejected``), the new segments a tier's admission policy
+        did not store (``admission_skipped``), and per server of the shared tiers
+        (``remote_nodes``: ``{"host:port": {"up", "outages", "reconnects", "refused"}}``).
+        Counts are since the store was built."""
+        nodes = {}
+        for tier in self.remote_tiers:
+            nodes.update(getattr(tier, "node_stats", dict)())
         with self._stats_lock:
             return {
                 "hits": dict(self._hits),
@@ -161,6 +166,7 @@ class TieredStore(SegmentStore):
                     for t in self.tiers
                     if hasattr(t, "admission_skipped")
                 },
+                "remote_nodes": nodes,
             }
 
     def close(self) -> None:

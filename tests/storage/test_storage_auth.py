@@ -12,7 +12,7 @@ from segment_cases import FP, FP_HEX, LAYOUT, key_of, make_kv, same, warnings_wi
 from lmcache_backend.config import ConfigError, load_config
 from lmcache_backend.storage import ExpectedLayout, MemoryTier, TieredStore, create_store, serde
 from lmcache_backend.storage.auth import MAGIC, AuthenticationError, EntryAuth
-from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier
+from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier, redis_key
 from lmcache_backend.storage.segments import SegmentKV
 from lmcache_backend.storage.settings import store_settings
 
@@ -36,7 +36,7 @@ def test_sealed_values_round_trip_and_name_their_key(server) -> None:
     tier = _tier(server.url)
     key = key_of(1)
     assert tier.put(key, make_kv(key))
-    raw = server.client().get(DEFAULT_PREFIX + key)
+    raw = server.client().get(redis_key(DEFAULT_PREFIX, key))
     assert raw.startswith(MAGIC)
     entry = EntryAuth(SECRET).open(key, raw)
     assert same(serde.decode(entry, key, FP_HEX, LAYOUT), make_kv(key))
@@ -61,13 +61,13 @@ def test_planted_value_with_a_bad_tag_is_never_loaded(server, caplog, tag) -> No
         sealed[-1] ^= 1
         planted = bytes(sealed)
     client = server.client()
-    client.set(DEFAULT_PREFIX + key, planted)
+    client.set(redis_key(DEFAULT_PREFIX, key), planted)
     assert tier.contains(key)  # the scheduler's lookup may still claim it: advisory
     assert tier.get(key) is None
     assert tier.rejected == 1
     assert warnings_with(caplog, "refusing segment")
     # deleted, so that a genuine computation can be stored (SET NX keeps the first value)
-    assert client.get(DEFAULT_PREFIX + key) is None
+    assert client.get(redis_key(DEFAULT_PREFIX, key)) is None
     assert tier.put(key, make_kv(key)) and same(tier.get(key), make_kv(key))
     tier.close()
 
@@ -76,7 +76,7 @@ def test_a_store_with_a_secret_counts_refusals_and_misses(server) -> None:
     cpu = MemoryTier("cpu", 1 << 20, name="cpu")
     store = TieredStore([cpu, _tier(server.url)])
     key = key_of(5)
-    server.client().set(DEFAULT_PREFIX + key, _forged(key))
+    server.client().set(redis_key(DEFAULT_PREFIX, key), _forged(key))
     assert store.get(key) is None
     stats = store.stats()
     assert stats["rejected"] == {"redis": 1} and stats["misses"] == 1
@@ -89,7 +89,8 @@ def test_without_a_secret_sealed_values_are_not_used_and_plain_ones_are(server, 
     key, key2 = key_of(6), key_of(7)
     assert sealed.put(key, make_kv(key))
     assert plain.get(key) is None and warnings_with(caplog, "this engine has none")
-    assert server.client().get(DEFAULT_PREFIX + key) is not None, "kept for engines with it"
+    kept = server.client().get(redis_key(DEFAULT_PREFIX, key))
+    assert kept is not None, "kept for engines with it"
     assert plain.put(key2, make_kv(key2)) and same(plain.get(key2), make_kv(key2))
     assert sealed.get(key2) is None and sealed.rejected == 1
     sealed.close()
@@ -111,7 +112,7 @@ def test_create_store_reads_the_secret_file(server, tmp_path) -> None:
     store = create_store(_config(server, tmp_path, shared_secret_file=str(path)), fingerprint=FP)
     key = key_of(8)
     assert store.put(key, make_kv(key))
-    assert EntryAuth(SECRET).open(key, server.client().get(DEFAULT_PREFIX + key))
+    assert EntryAuth(SECRET).open(key, server.client().get(redis_key(DEFAULT_PREFIX, key)))
     store.close()
 
 

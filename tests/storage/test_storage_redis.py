@@ -25,7 +25,7 @@ from lmcache_backend.storage import (
     create_store,
     serde,
 )
-from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier
+from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier, redis_key
 
 
 def _tier(url: str, fp: ModelFingerprint = FP, **kw) -> RedisTier:
@@ -43,7 +43,8 @@ def test_redis_tier_round_trip(server):
     assert tier.get(k[2]) is None
     assert tier.contains(k[1]) and not tier.contains(k[2])
     assert tier.contains_many(k) == [True, True, False]
-    raw = server.client().get(DEFAULT_PREFIX + k[0])  # the value is the safetensors format
+    # the value is the safetensors format
+    raw = server.client().get(redis_key(DEFAULT_PREFIX, k[0]))
     assert same(serde.decode(raw, k[0], FP_HEX, LAYOUT), make_kv(k[0]))
     assert tier.remove(k[0]) and tier.get(k[0]) is None
     tier.clear()
@@ -78,7 +79,7 @@ def test_redis_tier_drops_corrupted_value(server, caplog, damage):
     key = key_of(20)
     tier.put(key, make_kv(key))
     client = server.client()
-    rkey = DEFAULT_PREFIX + key
+    rkey = redis_key(DEFAULT_PREFIX, key)
     client.set(rkey, damage(client.get(rkey)))
     with caplog.at_level(logging.WARNING, logger="lmcache_backend.storage"):
         assert tier.get(key) is None
@@ -93,7 +94,7 @@ def test_redis_tier_fingerprint_mismatch_is_a_miss(server, caplog):
     with caplog.at_level(logging.WARNING, logger="lmcache_backend.storage"):
         assert _tier(server.url).get(key) is None
     assert warnings_with(caplog, "fingerprint")
-    assert server.client().exists(DEFAULT_PREFIX + key) == 1
+    assert server.client().exists(redis_key(DEFAULT_PREFIX, key)) == 1
 
 
 def test_two_stores_share_segments_through_redis(server, tmp_path):
@@ -152,13 +153,13 @@ def test_redis_killed_mid_run_falls_back_and_reconnects(server, caplog, tmp_path
             time.sleep(0.02)
         assert remote.available
         assert store.put(key_of(100), make_kv(key_of(100)))
-        assert server.client().exists(DEFAULT_PREFIX + key_of(100)) == 1
+        assert server.client().exists(redis_key(DEFAULT_PREFIX, key_of(100))) == 1
 
         server.stop()  # a second outage warns once more
         for i in range(5):
             store.get(key_of(200 + i))
         assert len(warnings_with(caplog, "unreachable")) == 2
-    assert remote.guard.outages == 2
+    assert remote.node_stats()[f"127.0.0.1:{server.port}"]["outages"] == 2
     store.close()
 
 
@@ -224,7 +225,7 @@ def test_redis_keys_are_namespaced(server):
     tier = _tier(server.url, prefix="other:")
     key = key_of(80)
     tier.put(key, make_kv(key))
-    assert server.client().exists("other:" + key) == 1
+    assert server.client().exists(redis_key("other:", key)) == 1
     assert _tier(server.url).get(key) is None
 
 

@@ -28,6 +28,7 @@ from lmcache_backend.integration.vllm.metadata import LoadSpec
 from lmcache_backend.integration.vllm.paged_target import PagedCacheTarget
 from lmcache_backend.integration.vllm.saves import ReadRows
 from lmcache_backend.integration.vllm.stats import LoadTiming
+from lmcache_backend.logtext import shorten
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class Loads:
         self._finished.add(req_id)
         logger.info(
             "CacheBlend request %s finished while blending: blend dropped after %d steps",
-            req_id,
+            shorten(str(req_id)),
             job.steps,
         )
 

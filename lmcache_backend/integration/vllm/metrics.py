@@ -120,6 +120,28 @@ METRICS: dict[str, tuple[str, str | None, str]] = {
         "tier",
         "Bytes the store holds, by tier (0 for Redis: its memory is the server's).",
     ),
+    "vllm:cacheblend_remote_up": (
+        GAUGE,
+        "node",
+        "1 while a server of the shared tier is reachable, 0 while its keys miss, by node "
+        "(host:port; a Sentinel master: sentinel/<name>).",
+    ),
+    "vllm:cacheblend_remote_outages": (
+        COUNTER,
+        "node",
+        "Times a server of the shared tier became unreachable, by node.",
+    ),
+    "vllm:cacheblend_remote_reconnects": (
+        COUNTER,
+        "node",
+        "Times a server of the shared tier answered again after an outage, by node.",
+    ),
+    "vllm:cacheblend_remote_refused": (
+        COUNTER,
+        "node",
+        "Values a server of the shared tier refused to store (OOM, READONLY, ...) and values "
+        "read from it that were refused (authentication), by node.",
+    ),
 }
 
 #: seconds; a blend takes milliseconds on a GPU, up to seconds on a CPU

@@ -54,6 +54,7 @@ from lmcache_backend.integration.vllm.stats import (
     append_json_line,
     left_to_vllm_line,
 )
+from lmcache_backend.logtext import shorten
 from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage import create_lookup
 from lmcache_backend.storage.segments import segment_keys
@@ -198,7 +199,7 @@ class SchedulerSide:
             "looked-up units, %d from vLLM's prefix cache; predicted %.0f%% of a full "
             "prefill's token-layers)",
             claim,
-            rid,
+            shorten(str(rid)),
             len(tokens),
             reusable,
             len(hits),
@@ -227,7 +228,7 @@ class SchedulerSide:
         self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
         logger.info(
             "CacheBlend leaves request %s (%d tokens) to vLLM: %s%s",
-            rid,
+            shorten(str(rid)),
             num_tokens,
             reason,
             f" ({detail})" if detail else "",
@@ -290,7 +291,10 @@ class SchedulerSide:
                 # claimed again: vLLM now counts the claimed tokens as computed, so they must be
                 # loaded into the new blocks, or decoding would read whatever those blocks held.
                 state.prompt = Prompt(state.claim.token_ids)
-                logger.info("request %s resumed after preemption: blending its prompt again", rid)
+                logger.info(
+                    "request %s resumed after preemption: blending its prompt again",
+                    shorten(str(rid)),
+                )
             new_blocks = cached.new_block_ids[i]
             if resumed:
                 state.prompt.block_ids = list(new_blocks[0]) if new_blocks else []

@@ -18,6 +18,7 @@ from typing import Any
 
 from lmcache_backend.blend.patterns import SegmentPattern, segment_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
+from lmcache_backend.logtext import shorten, shown
 from lmcache_backend.settings import CONNECTOR, ENGINE, REQUEST, dataclass_fields, parse_given
 from lmcache_backend.storage.index_dir import default_index_dir
 from lmcache_backend.storage.settings import store_settings
@@ -185,15 +186,17 @@ def request_config(
         return config
     if not isinstance(params, dict):
         logger.warning(
-            "request %s: ignoring kv_transfer_params %r: expected a JSON object", request_id, params
+            "request %s: ignoring kv_transfer_params %s: expected a JSON object",
+            shorten(str(request_id)),
+            shown(params),
         )
         return config
     unknown = sorted(k for k in params if str(k).startswith("blend") and k not in REQUEST)
     if unknown:
         logger.warning(
             "request %s: ignoring unknown kv_transfer_params %s (known: %s)",
-            request_id,
-            unknown,
+            shorten(str(request_id)),
+            shown(unknown),
             ", ".join(REQUEST),
         )
     if "blend" in params:
@@ -201,7 +204,7 @@ def request_config(
             if not REQUEST["blend"].value(params["blend"], "kv_transfer_params"):
                 return None
         except ConfigError as exc:
-            logger.warning("request %s: ignoring %s", request_id, exc)
+            logger.warning("request %s: ignoring %s", shorten(str(request_id)), exc)
     given = {k: params[k] for k in REQUEST if k != "blend" and k in params}
     if not given:
         return config
@@ -213,8 +216,8 @@ def request_config(
     except ConfigError as exc:
         logger.warning(
             "request %s: ignoring kv_transfer_params %s: %s; the engine's settings apply",
-            request_id,
-            given,
-            exc,
+            shorten(str(request_id)),
+            shown(given),
+            shorten(str(exc)),
         )
         return config

@@ -17,6 +17,7 @@ import torch
 
 from lmcache_backend.blend.request import BlendResult
 from lmcache_backend.integration.vllm.metadata import LoadSpec
+from lmcache_backend.logtext import shorten
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class BlendStats:
         logger.info(
             "CacheBlend request %s: %d tokens, %d claimed, %d reusable (%d from the prefix "
             "cache), %d reusable recomputed (%.1f%%), %.0f%% token-layers, %.0f ms%s",
-            record.req_id,
+            shorten(str(record.req_id)),
             record.num_tokens,
             record.claimed,
             record.num_reusable,

@@ -307,6 +307,13 @@ class WorkerSide:
         for tier, value in store.get("bytes", {}).items():
             if value != last.get("bytes", {}).get(tier):  # a gauge: sent when it changes
                 out.set_gauge("vllm:cacheblend_store_bytes", value, tier)
+        before = last.get("remote_nodes", {})
+        for node, now in store.get("remote_nodes", {}).items():
+            was = before.get(node, {})
+            for key in ("outages", "reconnects", "refused"):
+                out.inc(f"vllm:cacheblend_remote_{key}", now[key] - was.get(key, 0), node)
+            if now["up"] != was.get("up"):
+                out.set_gauge("vllm:cacheblend_remote_up", now["up"], node)
         self._store_counted = store
         return None if out.is_empty() else out
 

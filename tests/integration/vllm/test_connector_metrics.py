@@ -184,3 +184,40 @@ def test_the_worker_hands_over_segments_the_store_did_not_admit() -> None:
     counters = side.take_metrics().data["counters"]
     assert "vllm:cacheblend_store_admission_skipped" not in counters
     assert counters["vllm:cacheblend_store_evictions"] == {"cpu": 1}
+
+
+def test_the_worker_hands_over_the_shared_tiers_health_per_node() -> None:
+    import time
+
+    from redis_server import RedisServer
+
+    from lmcache_backend.integration.vllm.stats import BlendStats
+    from lmcache_backend.integration.vllm.worker import WorkerSide
+    from lmcache_backend.storage import RedisTier, TieredStore
+
+    server = RedisServer()
+    server.start()
+    side = WorkerSide.__new__(WorkerSide)  # the metrics' state only, no engine
+    side.rank, side._records_counted, side._store_counted = 0, 0, {}
+    side.stats = BlendStats(num_layers=2, stats_file=None, time_phases=False)
+    tier = RedisTier(server.url, retry_base_delay=0.05, retry_max_delay=0.1)
+    side.store = TieredStore([tier])
+    node = f"127.0.0.1:{server.port}"
+    try:
+        assert side.take_metrics().data["gauges"]["vllm:cacheblend_remote_up"] == {node: 1}
+        server.stop()
+        side.store.get("ab" * 16)  # the first failing command marks the server down
+        out = side.take_metrics().data
+        assert out["gauges"]["vllm:cacheblend_remote_up"] == {node: 0}
+        assert out["counters"]["vllm:cacheblend_remote_outages"] == {node: 1}
+        server.start()
+        deadline = time.monotonic() + 5
+        while not tier.available and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out = side.take_metrics().data
+        assert out["gauges"]["vllm:cacheblend_remote_up"] == {node: 1}
+        assert out["counters"]["vllm:cacheblend_remote_reconnects"] == {node: 1}
+        assert side.take_metrics() is None, "nothing new"
+    finally:
+        side.store.close()
+        server.stop()

@@ -79,3 +79,24 @@ def test_a_request_chooses_its_selection(config, caplog) -> None:
         kept = request_config(config, {"blend_selection": "bogus"}, NUM_LAYERS, "r2")
     assert kept.blend_selection == config.blend_selection
     assert "r2" in caplog.text and "blend_selection" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"blend_recompute_ratios": [0.5] * 1_000_000},  # one ratio per check layer expected
+        {"blend_recompute_ratios": "9" * 1_000_000},
+        {"blend": "x" * 1_000_000},
+        {f"blend_{i}": 1 for i in range(100_000)},
+        ["y" * 1_000_000],
+    ],
+    ids=["million-item list", "million-digit string", "long blend", "many keys", "long list"],
+)
+def test_a_huge_client_value_is_echoed_cut(config, params, caplog) -> None:
+    """One request must not add megabytes to the log: every echoed value is cut."""
+    with caplog.at_level(logging.WARNING, logger="lmcache_backend.integration.vllm.settings"):
+        out = request_config(config, params, NUM_LAYERS, "r" * 100_000)
+    assert out is config
+    assert caplog.records, "the bad value is still logged"
+    for record in caplog.records:
+        assert len(record.getMessage()) < 2_000, len(record.getMessage())
