@@ -141,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_arguments(p)
     p.set_defaults(func=_doctor)
 
-    from lmcache_backend.commands import verify
+    from lmcache_backend.commands import ingest, verify
 
+    ingest.register(sub)
     p = sub.add_parser("verify", help="check that blending is exact on a model (pass/fail)")
     verify.add_arguments(p)
     p.set_defaults(func=_verify)

@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 GB = 1024**3
 
 
-def _disk_folder(config: BlendConfig) -> str | None:
+def disk_folder(config: BlendConfig) -> str | None:
+    """The disk tier's folder (``local_disk`` without ``file://``), or None."""
     folder = config.local_disk
     if not folder:
         return None
@@ -131,7 +132,7 @@ def create_store(
         pinned = device is not None and torch.device(device).type == "cuda"
         capacity = int(config.max_local_cpu_size * GB)
         tiers.append(MemoryTier("cpu", capacity, "cpu", copy_on_get, pin_memory=pinned, **policies))
-    folder = _disk_folder(config)
+    folder = disk_folder(config)
     if folder is not None and shard:
         folder = os.path.join(folder, shard)
     if folder is not None:
@@ -166,3 +167,9 @@ def create_lookup(
     settings = store_settings(config)
     remote = _remote(settings, None, None, shard)
     return SegmentLookup(_index(settings, instance_id, index_dir, create=False), remote)
+
+
+def create_shared_tier(config: BlendConfig, shard: str = "") -> Tier | None:
+    """The shared tier alone (None without ``remote_url``), for presence checks: it holds no
+    fingerprint, so it is not meant to load entries."""
+    return _remote(store_settings(config), None, None, shard)
