@@ -174,6 +174,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "text: the separated parts as completions text ending in 'Answer:' (pretrained models) "
         "(default: the embedded model's own, else separator)",
     )
+    parser.add_argument(
+        "--warm",
+        choices=("request", "ingest"),
+        default="request",
+        help="how the store is filled before each example: request (an earlier request with "
+        "the chunks in order) or ingest (each chunk alone after the system part, as "
+        "lmcache-backend ingest encodes a corpus) (default: request)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -278,7 +286,7 @@ def run(
     started = time.perf_counter()
     with tqdm(total=total, unit="prefill", disable=args.no_progress, file=sys.stderr) as bar:
         cases = run_examples(
-            engine, strategies, examples, args.repeats, args.max_new_tokens, bar.update
+            engine, strategies, examples, args.repeats, args.max_new_tokens, bar.update, args.warm
         )
         swept = dict(
             zip(points, run_sweep(engine, strategies, points, args.sweep_repeats, bar.update))

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from lmcache_backend.bench.dataset import PromptPair, prompt_pair, sweep_example
+from lmcache_backend.bench.dataset import WARM_QUESTION, PromptPair, prompt_pair, sweep_example
 from lmcache_backend.bench.engines import BenchEngine, PrefillRun
 from lmcache_backend.bench.metrics import (
     answer_correct,
@@ -18,6 +18,11 @@ from lmcache_backend.bench.strategies import FULL, Strategy
 from lmcache_backend.data.examples import RagExample
 
 Progress = Callable[[int], None]
+
+#: how the store is filled before an example is asked: ``request`` (an earlier request with the
+#: chunks in order stored them, each computed after the chunks before it) or ``ingest`` (each
+#: chunk computed alone after the system part, as ``lmcache-backend ingest`` does)
+WARM_MODES = ("request", "ingest")
 
 
 @dataclass
@@ -135,17 +140,24 @@ def run_case(
     max_new_tokens: int,
     seed: int = 0,
     tick: Progress = lambda n: None,
+    warm: str = "request",
 ) -> CaseResult:
-    """Fill the caches from ``example`` in its original order, then answer it reordered with
-    every strategy: one untimed pass (quality), then ``repeats`` timed rounds. ``repeats=0``
-    measures quality only; the TTFT columns then come from the untimed pass (first runs, not
-    a timing)."""
+    """Fill the caches from ``example`` (:data:`WARM_MODES`: its chunks in their original order,
+    or each chunk alone), then answer it reordered with every strategy: one untimed pass
+    (quality), then ``repeats`` timed rounds. ``repeats=0`` measures quality only; the TTFT
+    columns then come from the untimed pass (first runs, not a timing)."""
     _check_strategies(strategies)
     if repeats < 0:
         raise ValueError(f"repeats must be >= 0, got {repeats}")
+    if warm not in WARM_MODES:
+        raise ValueError(f"warm {warm!r} is not one of {', '.join(WARM_MODES)}")
     pair = prompt_pair(engine.prompt_ids, example, seed)
     engine.reset()
-    engine.warm(pair.warm_ids)
+    if warm == "ingest":  # the prompt lmcache-backend ingest computes for each chunk
+        for chunk in example.chunks:
+            engine.warm(engine.prompt_ids(example.system, [chunk], WARM_QUESTION))
+    else:
+        engine.warm(pair.warm_ids)
     outcomes = _untimed_pass(engine, strategies, pair, max_new_tokens, tick)
     if repeats:
         for outcome in outcomes:
@@ -172,10 +184,11 @@ def run_examples(
     repeats: int,
     max_new_tokens: int,
     tick: Progress = lambda n: None,
+    warm: str = "request",
 ) -> list[CaseResult]:
     """:func:`run_case` for every example; example ``i`` is reordered with seed ``i``."""
     return [
-        run_case(engine, strategies, ex, repeats, max_new_tokens, seed=i, tick=tick)
+        run_case(engine, strategies, ex, repeats, max_new_tokens, seed=i, tick=tick, warm=warm)
         for i, ex in enumerate(examples)
     ]
 

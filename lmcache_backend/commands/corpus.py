@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmcache_backend.bench.dataset import WARM_QUESTION
 from lmcache_backend.blend.segmenting import PROMPT_SHAPES, STOCK_RAG_SYSTEM
 from lmcache_backend.logtext import shorten
 
@@ -30,7 +31,7 @@ CHUNK = "{chunk}"
 #: where the question goes (optional): ingestion puts a neutral question there (never stored)
 QUESTION = "{question}"
 #: the question of ingestion prompts: its tail is computed, never stored (as the benchmark warms)
-INGEST_QUESTION = "Summarize the documents in one sentence."
+INGEST_QUESTION = WARM_QUESTION
 TEXT_FIELDS = ("text", "page_content", "content")
 TEXT_SUFFIXES = (".txt", ".md")
 

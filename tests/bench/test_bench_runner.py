@@ -159,3 +159,19 @@ def test_repeats_zero_measures_quality_only(dataset):
     with pytest.raises(SystemExit, match="--repeats must be >= 0"):
         run(_parse("--dataset", str(dataset), "--repeats", "-1", "--no-progress"),
             out=io.StringIO(), engine=FakeEngine())  # fmt: skip
+
+
+def test_warm_ingest_stores_each_chunk_alone_after_the_system_part(dataset):
+    """``--warm ingest``: one prompt per chunk, the one ``lmcache-backend ingest`` computes."""
+    from lmcache_backend.bench.dataset import WARM_QUESTION
+
+    for mode, expected in (
+        ("request", [["aaaa", "bbbbbb", "cc"]]),
+        ("ingest", [["aaaa"], ["bbbbbb"], ["cc"]]),
+    ):
+        engine = FakeEngine()
+        args = _parse("--dataset", str(dataset), "--repeats", "0", "--gradual", "none",
+                      "--limit", "1", "--warm", mode, "--no-progress")  # fmt: skip
+        result = run(args, out=io.StringIO(), engine=engine)
+        assert engine.warmed == [engine.prompt_ids("S", c, WARM_QUESTION) for c in expected]
+        assert result["args"]["warm"] == mode
