@@ -7,18 +7,23 @@ Zipf popularity, ``--requests`` streaming chats each:
 * ``full``: every request opted out (``kv_transfer_params={"blend": false}``) and carrying a
   ``cache_salt`` of its own, so neither vLLM's prefix cache nor the store serves it;
 * ``prefix``: opted out, no salt: vLLM's prefix caching alone (the server runs with it on);
-* ``blend``: CacheBlend with the server's settings (prefix caching stays on).
+* ``blend``: CacheBlend with the server's settings (prefix caching stays on);
+* ``ingested``: CacheBlend after ``lmcache-backend ingest`` wrote the phase's corpus into the
+  shared tier (:mod:`lmcache_backend.bench.load_ingest`), as a fleet pre-encodes its knowledge
+  base; ``cached``: the same prompt every time (the bound of any reuse).
 
 Per phase: requests/s, TTFT p50/p90/p99 and inter-token latency p99 (client side), errors, the
 share of requests blended and of prompt tokens reused per window of requests (the server's
 ``stats_file``), the store's hit rate, bytes stored and evictions (``/metrics``), and answers
-holding another request's number. See ``docs/benchmarks.md``.
+holding another request's number; for reuse phases run beside ``full`` and ``cached``, the
+requests/s their found share and blend time allow (measured / bound). See ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmcache_backend.bench import load_stats
+from lmcache_backend.bench import load_ingest, load_stats
 from lmcache_backend.bench.load_driver import PhaseSpec, run_phase
 from lmcache_backend.bench.load_workload import build_requests, corpus
 
@@ -35,6 +40,7 @@ PHASES = {
     "full": PhaseSpec("full prefill", params={"blend": False}, unique_salt=True),
     "prefix": PhaseSpec("prefix caching", params={"blend": False}),
     "blend": PhaseSpec("cacheblend"),
+    "ingested": PhaseSpec("pre-encoded corpus"),
     # the bound any reuse can reach: prefill (almost) free, decode and the rest as in the others
     "cached": PhaseSpec("prompt cached", params={"blend": False}, same_prompt=True),
 }
@@ -63,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> 
     g.add_argument(
         "--phases",
         default="full,prefix,blend",
-        help="comma list of full, prefix, blend, cached (the same prompt every time, served by "
-        "vLLM's prefix cache: the throughput no reuse can exceed)",
+        help="comma list of full, prefix, blend, ingested (CacheBlend with the phase's corpus "
+        "written into the shared tier by lmcache-backend ingest first), cached (the same prompt "
+        "every time, served by vLLM's prefix cache: the throughput no reuse can exceed)",
     )
     g.add_argument("--stream-tokens", type=int, default=32, help="tokens per answer (32)")
     g.add_argument("--window", type=int, default=100, help="requests per window (default: 100)")
@@ -169,7 +176,6 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
     ``sys.stdout``) and return every number."""
     out = out or sys.stdout
     from lmcache_backend.bench.bench_server import bench_server
-    from lmcache_backend.bench.clients import served_model
 
     _check(args)
     names = _phases(args.phases)
@@ -187,7 +193,23 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
         print("no --stats-file: blended and reused shares are left out", file=out)
     vllm_args = SERVER_ARGS + (["--enforce-eager"] if args.eager else [])
     vllm_args += connector_args(getattr(args, "connector", []))
-    served = bench_server(args.url, given_stats, vllm_args, env, out, "lmcache-backend-load-")
+    with contextlib.ExitStack() as stack:
+        if "ingested" in names and load_ingest.REMOTE_URL not in {**os.environ, **env}:
+            if args.url:
+                raise SystemExit(
+                    "bench: the ingested phase writes into the server's shared tier: give it as "
+                    f"--server-env {load_ingest.REMOTE_URL}=..."
+                )
+            env[load_ingest.REMOTE_URL] = stack.enter_context(load_ingest.local_redis())
+            print(f"shared tier: {env[load_ingest.REMOTE_URL]} (a local redis-server)", file=out)
+        served = bench_server(args.url, given_stats, vllm_args, env, out, "lmcache-backend-load-")
+        result = _run_phases(args, names, served, env, out)
+    return result
+
+
+def _run_phases(args, names, served, env, out) -> dict[str, Any]:
+    from lmcache_backend.bench.clients import served_model
+
     with served as (url, stats_path, server):
         result: dict[str, Any] = {
             "setup": {
@@ -218,16 +240,24 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
             )
             if spec.same_prompt:
                 reqs = [dataclasses.replace(reqs[0], index=j) for j in range(len(reqs))]
+            ingest = load_ingest.pre_encode(chunks, env, model, out) if key == "ingested" else None
             before = len(_lines(stats_path))
             print(f"phase {spec.name}: {len(reqs)} requests ...", file=out, flush=True)
             phase = _run_one(url, model, spec, reqs, args, run_id)
             lines = _lines(stats_path)[before:]
             result["phases"][spec.name] = _phase_result(spec, phase, lines, args.window)
+            if ingest is not None:
+                result["phases"][spec.name]["ingest"] = ingest
             row = load_stats.format_table({spec.name: result["phases"][spec.name]})
             print(row.split("\n")[-1], file=out, flush=True)
     result["setup"]["load_after"] = os.getloadavg()
     print(load_stats.format_table(result["phases"]), file=out)
     print(load_stats.LEGEND, file=out)
+    for name in ("cacheblend", "pre-encoded corpus"):
+        bound = load_ingest.reuse_bound(result["phases"], name)
+        if bound is not None:
+            result["phases"][name]["bound"] = bound
+            print(load_ingest.bound_line(name, bound), file=out)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")

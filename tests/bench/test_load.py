@@ -367,3 +367,95 @@ def load_driver_counters(text: str) -> dict[str, float]:
     from lmcache_backend.bench.load_driver import parse_metrics
 
     return parse_metrics(text)
+
+
+def test_the_ingested_phase_pre_encodes_its_corpus_first(fake_server, tmp_path, monkeypatch):
+    from lmcache_backend.bench import load_ingest
+
+    calls = []
+
+    def pre_encode(chunks, env, model, out):
+        calls.append((list(chunks), dict(env), model, len(_FakeOpenAI.bodies)))
+        return {"summary": "ingested", "seconds": 0.0}
+
+    monkeypatch.setattr(load_ingest, "pre_encode", pre_encode)
+    parser = argparse.ArgumentParser()
+    load.add_arguments(parser, standalone=True)
+    argv = ["--url", fake_server, "--requests", "3", "--corpus-chunks", "6", "--k", "2"]
+    argv += ["--phases", "full,ingested", "--no-progress"]
+    with pytest.raises(SystemExit, match="LMCACHE_REMOTE_URL"):
+        load.run(parser.parse_args(argv), out=open(tmp_path / "out.txt", "w"))
+    argv += ["--server-env", "LMCACHE_REMOTE_URL=redis://h:1"]
+    result = load.run(parser.parse_args(argv), out=open(tmp_path / "out.txt", "w"))
+    ((chunks, env, model, sent),) = calls
+    assert chunks == corpus(6, seed=1) and env["LMCACHE_REMOTE_URL"] == "redis://h:1"
+    assert sent == 1 + 3, "after the warm-up and the full phase, before its own requests"
+    assert result["phases"]["pre-encoded corpus"]["ingest"]["summary"] == "ingested"
+
+
+def test_the_bound_of_a_reuse_phase() -> None:
+    from lmcache_backend.bench.load_ingest import bound_line, reuse_bound
+
+    def phase(rps, p90, found=None, blend_s=0.0, done=100):
+        stats = None if found is None else {"found_share": found}
+        return {
+            "summary": {"requests_per_s": rps, "ttft_p90_s": p90, "completed": done},
+            "stats": stats,
+            "stats_windows": [{"blend_s": blend_s * done}],
+        }
+
+    phases = {
+        "full prefill": phase(1.6, 1.4),  # 0.625 s a request
+        "prompt cached": phase(5.0, 0.1),  # 0.2 s of it no reuse removes
+        "pre-encoded corpus": phase(2.5, 0.5, found=0.8, blend_s=0.1),
+    }
+    b = reuse_bound(phases, "pre-encoded corpus")
+    floor = 0.2 + 0.2 * 0.425
+    assert b["bound_found_rps"] == pytest.approx(1 / floor)
+    assert b["bound_rps"] == pytest.approx(1 / (floor + 0.1))
+    assert b["measured_over_bound"] == pytest.approx(2.5 * (floor + 0.1))
+    assert b["speedup_vs_full"] == pytest.approx(2.5 / 1.6)
+    assert b["ttft_p90_vs_full"] == pytest.approx(0.5 / 1.4)
+    assert "measured/bound 0.96" in bound_line("pre-encoded corpus", b)
+    del phases["prompt cached"]
+    assert reuse_bound(phases, "pre-encoded corpus") is None
+
+
+def test_ingested_chunks_are_found_in_the_load_requests() -> None:
+    """The load requests hold a chunk after the stock system prompt or a blank line: the blocks
+    ingest stores in its template are found there, all but up to a block at each edge."""
+    from transformers import AutoTokenizer
+
+    from lmcache_backend.bench.load_ingest import TEMPLATE
+    from lmcache_backend.blend.patterns import BlockPattern
+    from lmcache_backend.commands.corpus import ChunkPrompt
+    from lmcache_backend.data.embedded import embedded_model_path
+    from lmcache_backend.models.fingerprint import ModelFingerprint
+    from lmcache_backend.storage.segments import segment_keys
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(embedded_model_path()))
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    fp = ModelFingerprint("T", 1, 1, 1, 1, "r", "bf16", "w")
+    pattern = BlockPattern(16)
+    chunks = corpus(12)
+    prompt = ChunkPrompt(messages=tuple((m["role"], m["content"]) for m in TEMPLATE["messages"]))
+    stored = set()
+    for chunk in chunks:
+        ids = prompt.token_ids(tok, chunk)
+        stored.update(segment_keys(fp, ids, [(u.start, u.end) for u in pattern.store_units(ids)]))
+    a, b = (prompt.token_ids(tok, c) for c in chunks[:2])
+    system = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the part before a chunk
+    for req in build_requests(chunks, 4, 4, 1.0, seed=5):
+        text = tok.apply_chat_template(req.messages(), tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+
+        def held(segments, ids=ids):
+            spans = [(s.start, s.end) for s in segments]
+            return [k in stored for k in segment_keys(fp, ids, spans)]
+
+        found = sum(len(s) for s in pattern.match(ids, held) if s.start >= system)
+        docs = [chunks[i] for i in req.chunk_ids]
+        chunk_tokens = sum(len(tok.encode(d, add_special_tokens=False)) for d in docs)
+        assert 0.85 * chunk_tokens <= found <= chunk_tokens, (found, chunk_tokens)
