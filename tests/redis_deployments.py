@@ -63,7 +63,7 @@ class RedisClusterNodes:
             ]  # fmt: skip
             self.servers.append(RedisServer(args, port=port))
         self.addresses = [f"127.0.0.1:{s.port}" for s in self.servers]
-        #: the form LMCache and this package document for a cluster
+        #: the form this package documents for a cluster
         self.url = "redis+cluster://" + ",".join(self.addresses)
 
     def node_url(self, i: int) -> str:

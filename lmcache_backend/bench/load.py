@@ -202,12 +202,26 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
                 )
             env[load_ingest.REMOTE_URL] = stack.enter_context(load_ingest.local_redis())
             print(f"shared tier: {env[load_ingest.REMOTE_URL]} (a local redis-server)", file=out)
+        # a server started here is started after the ingestion: one engine at a time (an
+        # ingest engine beside a running server shares its cores); a given one is already up
+        pre_encoded = {} if args.url else _pre_encode(args, names, env, None, out)
         served = bench_server(args.url, given_stats, vllm_args, env, out, "lmcache-backend-load-")
-        result = _run_phases(args, names, served, env, out)
+        result = _run_phases(args, names, served, env, out, pre_encoded)
     return result
 
 
-def _run_phases(args, names, served, env, out) -> dict[str, Any]:
+def _pre_encode(args, names, env, model, out) -> dict[int, dict[str, Any]]:
+    """``lmcache-backend ingest`` on the corpus of each ``ingested`` phase (by phase index)."""
+    return {
+        i: load_ingest.pre_encode(
+            corpus(args.corpus_chunks, seed=args.seed * 100 + i), env, model, out
+        )
+        for i, key in enumerate(names)
+        if key == "ingested"
+    }
+
+
+def _run_phases(args, names, served, env, out, pre_encoded) -> dict[str, Any]:
     from lmcache_backend.bench.clients import served_model
 
     with served as (url, stats_path, server):
@@ -240,7 +254,9 @@ def _run_phases(args, names, served, env, out) -> dict[str, Any]:
             )
             if spec.same_prompt:
                 reqs = [dataclasses.replace(reqs[0], index=j) for j in range(len(reqs))]
-            ingest = load_ingest.pre_encode(chunks, env, model, out) if key == "ingested" else None
+            ingest = pre_encoded.get(i)
+            if key == "ingested" and ingest is None:  # a given server: its model, now
+                ingest = load_ingest.pre_encode(chunks, env, model, out)
             before = len(_lines(stats_path))
             print(f"phase {spec.name}: {len(reqs)} requests ...", file=out, flush=True)
             phase = _run_one(url, model, spec, reqs, args, run_id)

@@ -81,9 +81,10 @@ def local_redis() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def pre_encode(chunks: list[str], env: dict[str, str], model: str, out) -> dict[str, Any]:
+def pre_encode(chunks: list[str], env: dict[str, str], model: str | None, out) -> dict[str, Any]:
     """Run ``lmcache-backend ingest`` on ``chunks`` in the load requests' prompt shape, with the
-    server's environment ``env`` (its shared tier) and ``model`` (its fingerprint).
+    server's environment ``env`` (its shared tier) and ``model`` (its fingerprint; None: the
+    embedded model, as ``serve`` starts without one).
 
     Raises:
         SystemExit: the command failed (its last output lines say why).
@@ -95,8 +96,9 @@ def pre_encode(chunks: list[str], env: dict[str, str], model: str, out) -> dict[
         corpus.write_text("".join(json.dumps({"text": c}) + "\n" for c in chunks), "utf-8")
         template.write_text(json.dumps(TEMPLATE), "utf-8")
         command = [sys.executable, "-m", "lmcache_backend", "ingest", str(corpus),
-                   "--template", str(template), "--model", model, "--no-progress"]  # fmt: skip
-        # the ingest engine runs beside the server: a small KV cache does for one chunk a prompt
+                   "--template", str(template), "--no-progress"]  # fmt: skip
+        command += ["--model", model] if model else []
+        # one chunk a prompt: a small KV cache does (and leaves memory to a running server)
         child_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **env}
         started = time.perf_counter()
         proc = subprocess.run(command, env=child_env, capture_output=True, text=True, check=False)

@@ -393,6 +393,35 @@ def test_the_ingested_phase_pre_encodes_its_corpus_first(fake_server, tmp_path, 
     assert result["phases"]["pre-encoded corpus"]["ingest"]["summary"] == "ingested"
 
 
+def test_a_started_server_starts_after_the_ingestion(fake_server, tmp_path, monkeypatch):
+    """Without --url the corpus is encoded before the server starts: one engine at a time."""
+    import contextlib
+
+    from lmcache_backend.bench import bench_server, load_ingest
+
+    events = []
+
+    def pre_encode(chunks, env, model, out):
+        events.append(("ingest", chunks, model))
+        return {"summary": "ingested", "seconds": 0.0}
+
+    @contextlib.contextmanager
+    def served(url, stats_file, vllm_args, env, out, prefix):
+        events.append(("server", env["LMCACHE_REMOTE_URL"]))
+        yield fake_server, None, None
+
+    monkeypatch.setattr(load_ingest, "pre_encode", pre_encode)
+    monkeypatch.setattr(bench_server, "bench_server", served)
+    parser = argparse.ArgumentParser()
+    load.add_arguments(parser, standalone=True)
+    argv = ["--requests", "2", "--corpus-chunks", "6", "--k", "2", "--store-share", "0"]
+    argv += ["--phases", "full,ingested", "--no-progress"]
+    argv += ["--server-env", "LMCACHE_REMOTE_URL=redis://h:1"]
+    result = load.run(parser.parse_args(argv), out=open(tmp_path / "out.txt", "w"))
+    assert events == [("ingest", corpus(6, seed=1), None), ("server", "redis://h:1")]
+    assert result["phases"]["pre-encoded corpus"]["ingest"]["summary"] == "ingested"
+
+
 def test_the_bound_of_a_reuse_phase() -> None:
     from lmcache_backend.bench.load_ingest import bound_line, reuse_bound
 
