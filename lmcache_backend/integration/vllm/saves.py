@@ -16,6 +16,7 @@ import torch
 from lmcache_backend.blend.segment_cache import SegmentCache
 from lmcache_backend.integration.vllm.layouts import slots_for
 from lmcache_backend.integration.vllm.metadata import SaveSpec
+from lmcache_backend.logtext import shorten
 
 logger = logging.getLogger(__name__)
 
@@ -82,5 +83,5 @@ class SegmentSaver:
             keys, values = self.read_rows(slots[segment.start : segment.end])
             stored += segments.store_segment(tokens, segment, keys, values)
         self.stored_segments += stored
-        logger.debug("request %s: stored %d segments", spec.req_id, stored)
+        logger.debug("request %s: stored %d segments", shorten(str(spec.req_id)), stored)
         return stored
