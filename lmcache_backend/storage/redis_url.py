@@ -28,6 +28,7 @@ from urllib.parse import parse_qsl, unquote, urlencode
 from lmcache_backend.config import ConfigError
 from lmcache_backend.logtext import shorten
 from lmcache_backend.settings import read_variable
+from lmcache_backend.settings.parsers import FALSE_WORDS, TRUE_WORDS
 
 SERVER, CLUSTER, SENTINEL = "server", "cluster", "sentinel"
 
@@ -79,8 +80,6 @@ _OWN_OPTIONS = {
     "retry_on_error": "extra_config.remote_retry_base_delay (reconnection is in the background)",
     "health_check_interval": "extra_config.remote_retry_base_delay",
 }
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -229,9 +228,9 @@ def _query_options(query: str, fail) -> dict[str, Any]:
     for name, value in parse_qsl(query, keep_blank_values=True):
         if name == "cluster":
             word = value.strip().lower()
-            if word not in _TRUE + _FALSE:
+            if word not in TRUE_WORDS + FALSE_WORDS:
                 raise fail(f"?cluster={shorten(value, 40)!r}: expected true or false")
-            options["cluster"] = word in _TRUE
+            options["cluster"] = word in TRUE_WORDS
         elif name in _OWN_OPTIONS:
             raise fail(f"?{name}= is set by {_OWN_OPTIONS[name]}")
         elif name in _PASSED_OPTIONS:
