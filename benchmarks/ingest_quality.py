@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="first N dev examples (all)")
     parser.add_argument("--ratio", type=float, default=0.2, help="the blend's ratio (0.2)")
     parser.add_argument("--json", help="write every number here")
+    parser.add_argument(
+        "--eager", action="store_true", help="vLLM without compilation (starts in ~1 min)"
+    )
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -75,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     examples = load_dataset("dev")[: args.limit]
     stats = Path(tempfile.mkdtemp(prefix="lmcache-ingest-quality-")) / "stats.jsonl"
-    llm = offline_engine(str(model), stats_file=str(stats), enforce_eager=False, max_logprobs=-1)
+    llm = offline_engine(
+        str(model), stats_file=str(stats), enforce_eager=args.eager, max_logprobs=-1
+    )
     vocab = len(tokenizer)
 
     def build(system, chunks, question):
