@@ -41,6 +41,14 @@ class PrefillRun:
     state: Any = None
 
 
+@dataclass
+class Answer:
+    """A greedy answer: its text and its token ids (no end-of-sequence token)."""
+
+    text: str
+    token_ids: list[int]
+
+
 class BenchEngine(Protocol):
     """What the runner needs from an engine."""
 
@@ -53,6 +61,12 @@ class BenchEngine(Protocol):
 
     def count_tokens(self, text: str) -> int:
         """Tokens of ``text`` encoded alone (no special tokens)."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` encoded alone (no special tokens)."""
+
+    def decode_ids(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``."""
 
     def reset(self) -> None:
         """Forget every cached segment and prompt."""
@@ -70,8 +84,15 @@ class BenchEngine(Protocol):
         ``timed=False`` marks the quality run, where an engine may spend time on extras (e.g.
         fetching the full first-token distribution)."""
 
-    def decode(self, token_ids: Sequence[int], run: PrefillRun, max_new_tokens: int) -> str:
-        """Greedy answer text from a prefill."""
+    def decode(self, token_ids: Sequence[int], run: PrefillRun, max_new_tokens: int) -> Answer:
+        """Greedy answer from a prefill."""
+
+    def forced_logits(
+        self, token_ids: Sequence[int], run: PrefillRun, answer_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """``[len(answer_ids), vocab]`` fp32 logits (or log-probabilities) of each answer token
+        given the prompt and the answer tokens before it, over this prefill's K/V: the answer
+        teacher-forced, so one early difference does not change every later position."""
 
     def cache_bytes(self, strategy: Strategy) -> int | None:
         """Bytes of cached K/V that ``strategy`` draws on; None when the engine cannot tell."""

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from lmcache_backend.bench.engines import (
+    Answer,
     PrefillRun,
     common_prefix_length,
     epic_recompute_mask,
@@ -66,7 +67,13 @@ class HFEngine:
         )
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
+        return len(self.encode(text))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_ids(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def reset(self) -> None:
         self.core.store.clear()
@@ -177,8 +184,25 @@ class HFEngine:
         computed = len(tokens) - reuse
         return PrefillRun(logits, ttft, computed, computed * self.num_layers, reuse, None, prefill)
 
-    def decode(self, token_ids: Sequence[int], run: PrefillRun, max_new_tokens: int) -> str:
-        return self.core.decode(list(token_ids), run.state, max_new_tokens).text
+    def decode(self, token_ids: Sequence[int], run: PrefillRun, max_new_tokens: int) -> Answer:
+        generation = self.core.decode(list(token_ids), run.state, max_new_tokens)
+        return Answer(generation.text, list(generation.token_ids))
+
+    @torch.no_grad()
+    def forced_logits(
+        self, token_ids: Sequence[int], run: PrefillRun, answer_ids: Sequence[int]
+    ) -> torch.Tensor:
+        from lmcache_backend.integration.hf.engine import kv_to_dynamic_cache
+
+        prefill, answer = run.state, list(answer_ids)
+        rows = [prefill.logits.float()[None]]
+        if len(answer) > 1:
+            # the decoding cache (windowed layers keep their window), as decode() builds it
+            cache = kv_to_dynamic_cache(self.model, prefill.keys, prefill.values)
+            ids = torch.tensor([answer[:-1]], device=self.model.device)
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            rows.append(out.logits[0].float())
+        return torch.cat(rows)[: len(answer)]
 
     def cache_bytes(self, strategy: Strategy) -> int:
         if strategy.kind == FULL:

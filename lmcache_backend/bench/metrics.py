@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import statistics
-from collections.abc import Sequence
+import string
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,6 +38,59 @@ def answer_correct(text: str, answers: Sequence[str]) -> bool:
 def answers_agree(text: str, reference: str) -> bool:
     """Two greedy answers are the same text, ignoring case and whitespace."""
     return normalize_answer(text) == normalize_answer(reference)
+
+
+def first_line(text: str) -> str:
+    """The part of a generated answer that the CacheBlend paper grades (its
+    ``parse_generation``): the first line after leading newlines, with an answer starting
+    with yes/no reduced to ``Yes``/``No``."""
+    line = text.lstrip("\n").split("\n")[0]
+    words = line.split()
+    if line.startswith(("Yes", "yes")):
+        return "Yes"
+    if words and words[0].startswith(("No", "no")):
+        return "No"
+    return line
+
+
+def squad_normalize(text: str) -> str:
+    """SQuAD's answer normalization: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def answer_f1(prediction: str, reference: str, encode: Callable[[str], Sequence[int]]) -> float:
+    """The CacheBlend paper's F1 (``compute_f1``): token-level F1 between the first line of a
+    generated ``prediction`` and a ``reference`` answer, both SQuAD-normalized and tokenized by
+    ``encode`` (the benchmarked model's tokenizer, without special tokens). 1.0 when both are
+    empty, 0.0 when only one is."""
+    pred = list(encode(squad_normalize(first_line(prediction))))
+    gold = list(encode(squad_normalize(reference)))
+    if not pred or not gold:
+        return float(pred == gold)
+    same = sum((Counter(pred) & Counter(gold)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def answer_span(token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> list[int]:
+    """The leading ``token_ids`` of a generated answer that :func:`answer_f1` reads: up to and
+    including the token that ends its first line of text (all of them when none does)."""
+    for end in range(1, len(token_ids) + 1):
+        if "\n" in decode(token_ids[:end]).lstrip("\n"):
+            return list(token_ids[:end])
+    return list(token_ids)
+
+
+def mean_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean over rows of ``KL(p_ref || p)`` between ``[N, vocab]`` logits (see
+    :func:`kl_divergence`); 0.0 for no rows."""
+    if reference_logits.shape != logits.shape:
+        raise ValueError(f"logit shapes differ: {reference_logits.shape} vs {logits.shape}")
+    rows = [kl_divergence(r, x) for r, x in zip(reference_logits, logits)]
+    return sum(rows) / len(rows) if rows else 0.0
 
 
 def pairwise_ratios(times: Sequence[float], reference_times: Sequence[float]) -> list[float]:

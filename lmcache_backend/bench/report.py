@@ -60,6 +60,9 @@ def summarize(cases: Sequence[CaseResult], strategies: Sequence[Strategy]) -> li
             agreement=_rate([o.agrees for o in outs]),
             first_token_agreement=_rate([o.first_token_agrees for o in outs]),
             kl=mean([o.kl for o in outs]),
+            fidelity_f1=mean([o.fidelity_f1 for o in outs if o.fidelity_f1 is not None]),
+            gold_f1=mean([o.gold_f1 for o in outs if o.gold_f1 is not None]),
+            answer_kl=mean([o.answer_kl for o in outs if o.answer_kl is not None]),
             cache_bytes=mean([float(o.cache_bytes) for o in outs if o.cache_bytes is not None]),
             fallbacks=sum(o.fallback_reason is not None for o in outs),
         )
@@ -106,7 +109,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The per-strategy table printed after a run."""
     header = (
         f"{'strategy':<40} {'TTFT ms':>8} {'vs full':>8} {'recomp':>7} {'tok-lay':>7} "
-        f"{'acc':>5} {'acc/full':>8} {'agree':>6} {'KL':>7} {'gap closed':>11} {'cache MiB':>9}"
+        f"{'acc':>5} {'acc/full':>8} {'agree':>6} {'F1/full':>7} {'F1 gold':>7} {'KL':>7} "
+        f"{'ans KL':>7} {'gap closed':>11} {'cache MiB':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -114,7 +118,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['strategy']:<40} {r['ttft_ms']:>8.0f} {r['ttft_ratio']:>7.2f}x "
             f"{_pct(r['recomputed_frac']):>7} {_pct(r['token_layers_frac']):>7} "
             f"{_pct(r['accuracy']):>5} {_pct(r['accuracy_vs_full']):>8} "
-            f"{_pct(r['agreement']):>6} {r['kl']:>7.3f} "
+            f"{_pct(r['agreement']):>6} {_num(r['fidelity_f1'], '.3f'):>7} "
+            f"{_num(r['gold_f1'], '.3f'):>7} {r['kl']:>7.3f} {_num(r['answer_kl'], '.3f'):>7} "
             f"{_pct(r['accuracy_recovered']) + ' / ' + _pct(r['kl_recovered']):>11} "
             f"{_num(None if r['cache_bytes'] is None else r['cache_bytes'] / _MIB, '.1f'):>9}"
         )
@@ -129,8 +134,11 @@ LEGEND = (
     "ratios to full prefill (lower is faster); recomp: prompt tokens computed in the last layer;\n"
     "tok-lay: token-layers computed; acc: a gold answer is in the greedy answer; acc/full:\n"
     "acc as a share of full prefill's; agree: same\n"
-    "greedy answer as full prefill; KL: first-token KL(full || strategy), mean; gap closed: share\n"
-    "of naive reuse's loss won back, accuracy / KL; cache MiB: cached K/V the strategy draws on."
+    "greedy answer as full prefill; F1/full: the CacheBlend paper's F1 of the answer against full\n"
+    "prefill's (fidelity); F1 gold: against the gold answers; KL: first-token KL(full ||\n"
+    "strategy), mean; ans KL: KL(full || strategy) per token of full prefill's answer (its first\n"
+    "line, teacher-forced), mean; gap closed: share of naive reuse's loss won back, accuracy /\n"
+    "KL; cache MiB: cached K/V the strategy draws on."
 )
 
 

@@ -6,12 +6,18 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from lmcache_backend.bench.dataset import WARM_QUESTION, PromptPair, prompt_pair, sweep_example
 from lmcache_backend.bench.engines import BenchEngine, PrefillRun
 from lmcache_backend.bench.metrics import (
     answer_correct,
+    answer_f1,
+    answer_span,
     answers_agree,
+    first_line,
     kl_divergence,
+    mean_kl,
     median_ratio,
 )
 from lmcache_backend.bench.strategies import FULL, Strategy
@@ -40,6 +46,12 @@ class StrategyOutcome:
     answer: str | None = None
     correct: bool | None = None
     agrees: bool | None = None
+    #: the CacheBlend paper's F1 of the answer against full prefill's answer (fidelity) and
+    #: against the gold answers (the best one)
+    fidelity_f1: float | None = None
+    gold_f1: float | None = None
+    #: mean KL(full || strategy) over full prefill's answer tokens, teacher-forced
+    answer_kl: float | None = None
     cache_bytes: int | None = 0
     fallback_reason: str | None = None
 
@@ -70,9 +82,16 @@ def _untimed_pass(
     tick: Progress,
 ) -> list[StrategyOutcome]:
     """One run of each strategy, not timed: it warms caches and allocators, and its logits and
-    greedy answers are the quality numbers (the timed runs compute the same thing)."""
+    greedy answers are the quality numbers (the timed runs compute the same thing).
+
+    With ``max_new_tokens`` > 0 each strategy also answers greedily, and its distributions along
+    full prefill's answer (the tokens of its first line, which the F1 reads) are taken with
+    that answer teacher-forced (:meth:`BenchEngine.forced_logits`)."""
     tokens, num_layers = pair.asked_ids, engine.num_layers
     outcomes, runs = [], []
+    span: list[int] = []  # full prefill's answer, its first line
+    full_text = ""
+    reference: torch.Tensor | None = None  # full prefill's logits along ``span``
     for strategy in strategies:
         run: PrefillRun = engine.prefill(strategy, tokens, timed=False)
         runs.append(run)
@@ -86,17 +105,31 @@ def _untimed_pass(
             fallback_reason=run.fallback_reason,
         )
         if max_new_tokens > 0:
-            outcome.answer = engine.decode(tokens, run, max_new_tokens).strip()
+            answer = engine.decode(tokens, run, max_new_tokens)
+            outcome.answer = answer.text.strip()
             outcome.correct = answer_correct(outcome.answer, pair.example.answers)
+            outcome.gold_f1 = max(
+                (answer_f1(answer.text, gold, engine.encode) for gold in pair.example.answers),
+                default=None,
+            )
+            if reference is None:  # full prefill, the first strategy
+                span = answer_span(answer.token_ids, engine.decode_ids)
+                reference = engine.forced_logits(tokens, run, span)
+                full_text = first_line(answer.text)  # the reference is graded text too
+            forced = reference if run is runs[0] else engine.forced_logits(tokens, run, span)
+            outcome.fidelity_f1 = answer_f1(answer.text, full_text, engine.encode)
+            outcome.answer_kl = mean_kl(reference, forced) if span else None
         outcomes.append(outcome)
         run.state = None  # free the K/V
         tick(1)
-    reference = runs[0].logits
+    first = runs[0].logits
     for outcome, run in zip(outcomes, runs):
-        outcome.kl = kl_divergence(reference, run.logits)
-        outcome.first_token_agrees = int(run.logits.argmax()) == int(reference.argmax())
+        outcome.kl = kl_divergence(first, run.logits)
+        outcome.first_token_agrees = int(run.logits.argmax()) == int(first.argmax())
         if max_new_tokens > 0:
             outcome.agrees = answers_agree(outcome.answer or "", outcomes[0].answer or "")
+            if outcome.answer_kl is None:  # full prefill's answer is empty: its first token
+                outcome.answer_kl = outcome.kl
     return outcomes
 
 

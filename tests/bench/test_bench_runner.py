@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmcache_backend.bench.cli import add_arguments, run
-from lmcache_backend.bench.engines import PrefillRun
+from lmcache_backend.bench.engines import Answer, PrefillRun
 from lmcache_backend.bench.strategies import BLEND, EPIC, FULL, PREFIX
 
 VOCAB = 8
@@ -38,6 +38,12 @@ class FakeEngine:
     def count_tokens(self, text):
         return len(text)
 
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode_ids(self, token_ids):
+        return "".join(chr(t) for t in token_ids)
+
     def supports(self, strategy):
         return strategy.kind != EPIC
 
@@ -60,7 +66,11 @@ class FakeEngine:
                           n - computed, None, logits)  # fmt: skip
 
     def decode(self, token_ids, run, max_new_tokens):
-        return f"answer {int(run.logits.argmax())}"
+        text = f"answer {int(run.logits.argmax())}\nmore"
+        return Answer(text, self.encode(text))
+
+    def forced_logits(self, token_ids, run, answer_ids):
+        return run.logits.expand(len(answer_ids), VOCAB)
 
     def cache_bytes(self, strategy):
         return 0 if strategy.kind == FULL else 1024 * 1024
@@ -114,6 +124,15 @@ def test_run_json_table_and_plots(tmp_path, dataset):
     assert rows["CacheBlend r=0.75"]["accuracy_recovered"] == 1.0
     assert rows["CacheBlend r=0.25"]["accuracy_recovered"] == 0.0
     assert 0 < rows["CacheBlend r=0.25"]["kl_recovered"] < 1
+    # fidelity: the paper's F1 against full prefill's answer ("answer 7" vs "answer 0": 7 of 8
+    # characters), and the teacher-forced KL along full prefill's first line ("answer 7\n")
+    assert rows["full prefill"]["fidelity_f1"] == 1.0 and rows["full prefill"]["answer_kl"] == 0
+    assert rows["CacheBlend r=0.75"]["fidelity_f1"] == 1.0
+    assert rows["CacheBlend r=0.75"]["answer_kl"] == pytest.approx(rows["CacheBlend r=0.75"]["kl"])
+    assert rows["CacheBlend r=0.25"]["fidelity_f1"] == pytest.approx(7 / 8)
+    assert rows["CacheBlend r=0.25"]["answer_kl"] == pytest.approx(rows["CacheBlend r=0.25"]["kl"])
+    assert rows["full prefill"]["gold_f1"] == 1.0
+    assert "F1/full" in out.getvalue() and "ans KL" in out.getvalue()
     # TTFT is proportional to the computed tokens: the ratio is the share (floored).
     assert rows["CacheBlend r=0.75"]["ttft_ratio"] == pytest.approx(0.75, abs=0.06)
     assert rows["full prefill"]["cache_bytes"] == 0
