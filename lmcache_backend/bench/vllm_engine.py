@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lmcache_backend.bench.engines import PrefillRun
+from lmcache_backend.bench.engines import Answer, PrefillRun
 from lmcache_backend.bench.strategies import BLEND, FULL, PREFIX, Strategy
 from lmcache_backend.blend.segmenting import shaped_prompt
 
@@ -23,6 +23,12 @@ class VLLMEngine:
     the previous run; prefix caching first re-runs the original prompt (untimed) so that its
     blocks are what the asked prompt can hit. TTFT is the latency of a one-token request, as a
     client sees it. The EPIC selection has no request option and is not run.
+
+    The answer and the teacher-forced distributions of a strategy (:meth:`decode`,
+    :meth:`forced_logits`) come from requests of their own with the strategy's options, each on an
+    empty prefix cache: a blend is deterministic, so each one blends exactly as the prefill did
+    (reading the prefill's K/V from the prefix cache instead would recompute, in full, the cached
+    chunks' tokens in the prompt's last partial block).
     """
 
     name = "vllm"
@@ -32,6 +38,7 @@ class VLLMEngine:
 
         from transformers import AutoConfig, AutoTokenizer
 
+        from lmcache_backend.bench.forced_answer import FQCN as FORCED_ANSWER
         from lmcache_backend.config import load_config
         from lmcache_backend.integration.vllm.offline import offline_engine
 
@@ -52,6 +59,7 @@ class VLLMEngine:
             enforce_eager=False,
             max_model_len=min(int(context), 32768),
             max_logprobs=-1,  # the full first-token distribution, for the KL
+            logits_processors=[FORCED_ANSWER],  # teacher-forced answers, for their KL
         )
         self._warm_ids: list[int] = []
 
@@ -83,7 +91,13 @@ class VLLMEngine:
         )
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
+        return len(self.encode(text))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_ids(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def supports(self, strategy: Strategy) -> bool:
         return strategy.kind in (FULL, PREFIX, BLEND)
@@ -91,7 +105,10 @@ class VLLMEngine:
     def _generate(self, token_ids: Sequence[int], params: dict, max_tokens: int, logprobs=None):
         from lmcache_backend.integration.vllm.offline import generate_one
 
-        return generate_one(self.llm, token_ids, max_tokens, params, logprobs)
+        # a full distribution needs no text: vLLM would decode each of its tokens
+        return generate_one(
+            self.llm, token_ids, max_tokens, params, logprobs, detokenize=logprobs is None
+        )
 
     @staticmethod
     def _params(strategy: Strategy) -> dict:
@@ -116,6 +133,7 @@ class VLLMEngine:
         self._generate(token_ids, {"blend": False}, 1)  # computes and stores every segment
 
     def _prepare(self, strategy: Strategy) -> None:
+        """Empty vLLM's prefix cache (prefix caching: fill it with the warm-up prompt)."""
         self.llm.reset_prefix_cache()
         if strategy.kind == PREFIX and self._warm_ids:
             self._generate(self._warm_ids, {"blend": False}, 1)
@@ -160,11 +178,48 @@ class VLLMEngine:
             run.fallback_reason = "the connector did not claim the prompt"
         return run
 
-    def decode(self, token_ids: Sequence[int], run: PrefillRun, max_new_tokens: int) -> str:
+    def decode(self, token_ids: Sequence[int], run: PrefillRun, max_new_tokens: int) -> Answer:
         strategy: Strategy = run.state
         self._prepare(strategy)
-        out = self._generate(token_ids, self._params(strategy), max_new_tokens)
-        return out.outputs[0].text
+        out = self._generate(token_ids, self._params(strategy), max_new_tokens).outputs[0]
+        ids = list(out.token_ids)
+        if ids and out.finish_reason == "stop" and out.stop_reason is None:
+            ids = ids[:-1]  # the end-of-sequence token that stopped it
+        return Answer(out.text, ids)
+
+    def forced_logits(
+        self, token_ids: Sequence[int], run: PrefillRun, answer_ids: Sequence[int]
+    ) -> torch.Tensor:
+        from vllm import SamplingParams
+
+        from lmcache_backend.bench.forced_answer import FORCED_TOKENS
+
+        answer = list(answer_ids)
+        rows = torch.full((len(answer), len(self.tokenizer)), float("-inf"))
+        if not answer:
+            return rows
+        strategy: Strategy = run.state
+        self._prepare(strategy)
+        sampling = SamplingParams(
+            temperature=0,
+            max_tokens=len(answer),
+            ignore_eos=True,
+            logprobs=-1,
+            flat_logprobs=True,  # a few flat lists instead of a dict per vocabulary entry
+            detokenize=False,  # no text, for the answer or for each entry of the distribution
+            extra_args={"kv_transfer_params": self._params(strategy), FORCED_TOKENS: answer},
+        )
+        prompt = {"prompt_token_ids": list(token_ids)}
+        out = self.llm.generate([prompt], sampling, use_tqdm=False)[0].outputs[0]
+        if list(out.token_ids) != answer:
+            raise RuntimeError(f"forced answer {answer} came out as {list(out.token_ids)}")
+        flat = out.logprobs
+        for step in range(len(answer)):
+            lo, hi = flat.start_indices[step], flat.end_indices[step]
+            ids = torch.tensor(flat.token_ids[lo:hi], dtype=torch.int64)
+            keep = ids < rows.shape[1]
+            rows[step, ids[keep]] = torch.tensor(flat.logprobs[lo:hi])[keep]
+        return rows
 
     def cache_bytes(self, strategy: Strategy) -> int | None:
         return 0 if strategy.kind == FULL else None  # the stores live in the worker

@@ -60,15 +60,18 @@ def generate_one(
     max_tokens: int,
     params: dict | None = None,
     logprobs: int | None = None,
+    detokenize: bool = True,
 ) -> Any:
     """One greedy request of ``token_ids`` with ``params`` as its ``kv_transfer_params``
-    (None: the engine's settings); its ``RequestOutput``."""
+    (None: the engine's settings); its ``RequestOutput``. ``detokenize=False``: no text (and no
+    text for each log-probability's token: vLLM decodes every one of a full distribution's)."""
     from vllm import SamplingParams
 
     sampling = SamplingParams(
         temperature=0,
         max_tokens=max_tokens,
         logprobs=logprobs,
+        detokenize=detokenize,
         extra_args={"kv_transfer_params": params} if params is not None else None,
     )
     return llm.generate([{"prompt_token_ids": list(token_ids)}], sampling, use_tqdm=False)[0]
