@@ -63,7 +63,7 @@ setup(
         "lmcache_backend.patches": "patches",
     },
     package_data={
-        "lmcache_backend": ["data/*.jsonl", "py.typed"],
+        "lmcache_backend": ["data/*.jsonl", "data/*.json.gz", "data/*.NOTICE", "py.typed"],
         "lmcache_backend.backends.cpu": ["*.cpp"],
     },
     install_requires=[

@@ -81,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dataset",
         metavar="FILE.jsonl",
-        help="RAG examples, one JSON object a line; 'dev' for the shipped dev set "
+        help="RAG examples, one JSON object a line; 'dev' for the shipped dev set; "
+        "'musique[@PASSAGES]' for the CacheBlend paper's MuSiQue examples 100-149 with their "
+        "first PASSAGES passages (default 10; 'musique-heldout': examples 0-99) "
         "(default: the built-in set)",
     )
     parser.add_argument(
@@ -139,7 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-block",
         type=int,
         default=16,
-        help="prefix-caching block size in tokens, as vLLM's (default: 16; 1 = any token)",
+        help="prefix-caching block size in tokens, as vLLM's (default: 16; 1 = any token; "
+        "0 leaves prefix caching out)",
     )
     parser.add_argument(
         "--sweep",
@@ -208,6 +211,7 @@ def strategies_from_args(args: argparse.Namespace) -> list[Strategy]:
         schedules=[s for s in schedules if s is not None],
         epic_k=args.epic_k,
         prefix_block=args.prefix_block,
+        include_prefix=args.prefix_block > 0,
         selections=args.selections,
     )
 

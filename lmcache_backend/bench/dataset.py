@@ -52,7 +52,9 @@ def load_dataset(
     """The examples of a JSONL file (``"dev"``: the shipped dev set of ``model``, an embedded
     model's name, None for the default one), or ``count`` built-in ones when ``path`` is None.
     ``FILE@TOKENS`` (``dev@16000``): the same examples grown to about ``TOKENS`` prompt tokens of
-    ``model``'s tokenizer (:mod:`lmcache_backend.bench.long_context`).
+    ``model``'s tokenizer (:mod:`lmcache_backend.bench.long_context`). ``musique[@PASSAGES]``
+    (or a ``.json`` file in its format): the CacheBlend paper's MuSiQue examples
+    (:mod:`lmcache_backend.bench.musique`).
 
     Raises:
         DatasetError: a line is malformed (see :func:`lmcache_backend.data.examples.load_examples`),
@@ -62,6 +64,10 @@ def load_dataset(
     """
     if path is None:
         return builtin_examples(count=count)
+    from lmcache_backend.bench.musique import is_musique, load_musique
+
+    if is_musique(str(path)):
+        return load_musique(str(path))
     from lmcache_backend.bench.long_context import split_length
 
     path, long_tokens = split_length(str(path))

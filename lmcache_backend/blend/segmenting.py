@@ -311,7 +311,9 @@ def shaped_prompt(
     """Token ids of one RAG example posed in ``shape`` (one of :data:`PROMPT_SHAPES`).
 
     ``text`` is ``system + SEP + chunk_1 + ... + SEP + "Question: <question>\\nAnswer:"``
-    encoded as vLLM's completions endpoint does (the tokenizer's BOS, no chat template).
+    encoded as vLLM's completions endpoint does (the tokenizer's BOS, no chat template); a
+    question that already ends in ``Answer:`` (a template of its own, e.g. the CacheBlend
+    paper's) is posed as it is.
 
     Raises:
         ValueError: an unknown shape (the message names it and the known ones).
@@ -319,7 +321,7 @@ def shaped_prompt(
     if shape == "stock":
         return stock_rag_prompt(tokenizer, system, chunks, question)
     if shape == "text":
-        posed = f"Question: {question}\nAnswer:"
+        posed = question if question.endswith("Answer:") else f"Question: {question}\nAnswer:"
         return build_blend_prompt(
             tokenizer, system, chunks, posed, blend_special_str, use_chat_template=False
         ).token_ids

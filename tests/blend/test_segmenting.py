@@ -119,6 +119,12 @@ def test_prompt_shapes(tokenizers, which: int) -> None:
         "named Tom. # # Question: Who owns a cat?\nAnswer:"
     )
     assert len(separator_pattern(tok, " # # ").split(text)) == len(chunks) + 2
+    # a question with a template of its own (ending in "Answer:") is posed as it is
+    own = shaped_prompt(tok, "text", "Use the context.", chunks, "Reply briefly.\nQ: cat?\nAnswer:")
+    assert own == tok.encode(
+        "Use the context. # # Alice lives in Paris. # # Bob owns a cat "
+        "named Tom. # # Reply briefly.\nQ: cat?\nAnswer:"
+    )
     chat = shaped_prompt(tok, "separator", "Use the context.", chunks, "Who owns a cat?")
     assert chat == build_blend_prompt(tok, "Use the context.", chunks, "Who owns a cat?").token_ids
     assert set(PROMPT_SHAPES) == {"separator", "stock", "text"}
