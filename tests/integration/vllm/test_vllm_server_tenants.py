@@ -308,7 +308,7 @@ def _valid_entries(redis_url: str) -> int:
 
     client, auth, valid = redis.Redis.from_url(redis_url), EntryAuth(SECRET), 0
     for rkey in client.keys("lmcache_backend:segment:*"):
-        key = rkey.decode().rsplit(":", 1)[1]
+        key = rkey.decode().rsplit(":", 1)[1].strip("{}")  # <prefix>{<key>}: a hash tag
         try:
             auth.open(key, client.get(rkey))
             valid += 1
