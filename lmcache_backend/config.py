@@ -27,6 +27,7 @@ from lmcache_backend.settings import (  # noqa: F401 - public names, re-exported
     ENGINE,
     ENV_PREFIX,
     LMCACHE_KEYS_IGNORED,
+    PREVIEW_SELECTION_CHOICES,
     SCORED_LAYER_CHOICES,
     SELECTION_CHOICES,
     ConfigError,
@@ -65,6 +66,13 @@ class _BlendConfigMethods:
                 "blend_recompute_ratios",
                 ratios,
                 f"give one ratio or one per check layer ({len(layers)} check layers: {layers})",
+            )
+        if self.blend_min_read_share > 0 and self.blend_selection not in PREVIEW_SELECTION_CHOICES:
+            raise self._fail(
+                "blend_min_read_share",
+                self.blend_min_read_share,
+                f"needs a preview selection ({', '.join(PREVIEW_SELECTION_CHOICES)}), and "
+                f"blend_selection is {self.blend_selection!r}",
             )
         if not self.use_layerwise and self.enable_blending:
             logger.info("use_layerwise=False is ignored: CacheBlend always runs layer by layer")

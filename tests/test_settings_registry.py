@@ -150,8 +150,14 @@ def test_defaults_are_the_registrys() -> None:
 
 
 def test_request_keys_are_blend_and_the_per_request_engine_keys() -> None:
-    assert list(REQUEST) == ["blend", "blend_recompute_ratios", "blend_check_layers"] + [
-        "blend_selection"
+    assert list(REQUEST) == [
+        "blend",
+        "lmcache.skip_save",
+        "blend_recompute_ratios",
+        "blend_check_layers",
+        "blend_selection",
+        "blend_min_read_share",
+        "blend_max_recompute_ratio",
     ]
 
 

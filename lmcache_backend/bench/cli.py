@@ -48,6 +48,14 @@ def _ratios(text: str) -> list[float]:
     return values
 
 
+def _shares(text: str) -> list[float]:
+    values = parse_floats(text)
+    bad = [v for v in values if not 0.0 <= v < 1.0]
+    if bad:
+        raise ValueError(f"read shares must be in [0, 1), got {bad}")
+    return values
+
+
 def _selections(text: str) -> list[str]:
     from lmcache_backend.config import SELECTION_CHOICES
 
@@ -121,6 +129,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[None],
         help="token selectors (blend_selection), one strategy set each, e.g. "
         "kv_deviation,query_attention; 'all' for every one (default: the configured one)",
+    )
+    parser.add_argument(
+        "--read-shares",
+        type=_arg(_shares),
+        default=[],
+        help="the fidelity knob (blend_min_read_share) on top of each ratio, one strategy per "
+        "value, e.g. 0.6,0.8 (default: none)",
+    )
+    parser.add_argument(
+        "--oracle-ratios",
+        type=_arg(_ratios),
+        default=[],
+        help="HF engine: recompute this share of the reusable tokens chosen by their true K/V "
+        "deviation from full prefill (a bound on selection rules), one strategy each",
     )
     parser.add_argument(
         "--gradual",
@@ -213,6 +235,8 @@ def strategies_from_args(args: argparse.Namespace) -> list[Strategy]:
         prefix_block=args.prefix_block,
         include_prefix=args.prefix_block > 0,
         selections=args.selections,
+        read_shares=args.read_shares,
+        oracle_ratios=args.oracle_ratios,
     )
 
 

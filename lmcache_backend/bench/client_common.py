@@ -10,14 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: The ``kv_transfer_params`` of a full prefill on a CacheBlend server: no reuse, and nothing
+#: stored (LMCache's ``lmcache.skip_save``): under a salt of its own nobody could find its K/V,
+#: and writing them would cost the server what a server without CacheBlend never pays.
+FULL_PREFILL_PARAMS: dict[str, Any] = {"blend": False, "lmcache.skip_save": True}
+
 #: The request body field that opts a request out of reuse (a full prefill on the same server).
-OPT_OUT: dict[str, Any] = {"kv_transfer_params": {"blend": False}}
+OPT_OUT: dict[str, Any] = {"kv_transfer_params": FULL_PREFILL_PARAMS}
 
 #: How the benchmarks keep a full prefill full, in their output.
 FULL_PREFILL_NOTE = (
-    "full prefill: each request opted out of reuse and given a cache_salt of its own, so "
-    "neither vLLM's prefix cache nor the connector's store serves any of its tokens, whether "
-    "the server runs with prefix caching or not"
+    "full prefill: each request opted out of reuse and of the store (lmcache.skip_save) and "
+    "given a cache_salt of its own, so neither vLLM's prefix cache nor the connector's store "
+    "serves any of its tokens, whether the server runs with prefix caching or not"
 )
 
 

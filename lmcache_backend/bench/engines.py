@@ -30,6 +30,8 @@ class PrefillRun:
         reused_tokens: tokens whose cached K/V was used.
         fallback_reason: why a reuse strategy computed everything, or None.
         state: what the engine needs to decode from this prefill.
+        read_share: what the recomputed tokens hold of the question's reads (a preview
+            selection's blend), else None.
     """
 
     logits: torch.Tensor
@@ -39,6 +41,7 @@ class PrefillRun:
     reused_tokens: int = 0
     fallback_reason: str | None = None
     state: Any = None
+    read_share: float | None = None
 
 
 @dataclass
@@ -129,4 +132,31 @@ def epic_recompute_mask(segments: Sequence[Any], num_tokens: int, k: int) -> tor
         return torch.ones(num_tokens, dtype=torch.bool)
     mask = chunk_heads([(s.start, s.end - s.start) for s in segments[1:-1]], num_tokens, k)
     mask[segments[-1].start :] = True
+    return mask
+
+
+def oracle_recompute_mask(
+    full: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
+    naive: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
+    valid: torch.Tensor,
+    count: int,
+) -> torch.Tensor:
+    """``[T]`` bool: the ``count`` reusable tokens whose naive-reuse K/V deviate most from full
+    prefill's, summed over layers.
+
+    ``full`` and ``naive`` are ``(keys, values)``, per layer ``[T, Hkv, D]``; ``valid [T]``
+    (bool) marks the reusable tokens. Each layer's squared K and V deviations are divided by
+    their mean over the reusable tokens, so that every layer and both of K and V weigh alike.
+    A selection rule sees neither full prefill's K/V nor every layer at once: this one is a
+    bound on what choosing tokens can do at a budget, not a way to serve.
+    """
+    score = torch.zeros(valid.numel(), dtype=torch.float64)
+    for fulls, naives in zip(full, naive):
+        for a, b in zip(fulls, naives):
+            deviation = (a.double() - b.double()).pow(2).sum(dim=(-1, -2)).cpu()
+            score += deviation / deviation[valid].mean().clamp_min(1e-30)
+    score[~valid] = float("-inf")
+    mask = torch.zeros(valid.numel(), dtype=torch.bool)
+    if count > 0:
+        mask[torch.topk(score, min(count, int(valid.sum()))).indices] = True
     return mask

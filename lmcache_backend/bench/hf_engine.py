@@ -13,9 +13,10 @@ from lmcache_backend.bench.engines import (
     PrefillRun,
     common_prefix_length,
     epic_recompute_mask,
+    oracle_recompute_mask,
     reusable_prefix,
 )
-from lmcache_backend.bench.strategies import BLEND, EPIC, FULL, PREFIX, Strategy
+from lmcache_backend.bench.strategies import BLEND, EPIC, FULL, ORACLE, PREFIX, Strategy
 from lmcache_backend.blend.segmenting import shaped_prompt
 
 
@@ -95,10 +96,13 @@ class HFEngine:
             blend_recompute_ratios=list(strategy.ratios),
             blend_check_layers=list(strategy.check_layers),
             blend_selection=strategy.selection or config.blend_selection,
+            blend_min_read_share=(
+                config.blend_min_read_share if strategy.read_share is None else strategy.read_share
+            ),
         )
 
     def supports(self, strategy: Strategy) -> bool:
-        return strategy.kind in (FULL, PREFIX, BLEND, EPIC)
+        return strategy.kind in (FULL, PREFIX, BLEND, EPIC, ORACLE)
 
     def prefill(
         self, strategy: Strategy, token_ids: Sequence[int], timed: bool = True
@@ -111,7 +115,7 @@ class HFEngine:
             )
         if strategy.kind == PREFIX:
             return self._prefix_prefill(tokens, strategy.block_size)
-        if strategy.kind in (BLEND, EPIC):
+        if strategy.kind in (BLEND, EPIC, ORACLE):
             return self._blend_prefill(strategy, tokens)
         raise ValueError(f"unknown strategy kind {strategy.kind!r}")
 
@@ -125,6 +129,8 @@ class HFEngine:
             segments = self.core.segment_cache.segments(tokens)
             mask = epic_recompute_mask(segments, len(tokens), strategy.epic_k)
             result = blender.blend(tokens, recompute=mask, config=config)
+        elif strategy.kind == ORACLE:  # its time includes the full prefill it looks at
+            result = blender.blend(tokens, recompute=self._oracle_mask(strategy, tokens))
         else:
             result = blender.blend(tokens, config=config)
         result.logits.argmax()
@@ -138,6 +144,17 @@ class HFEngine:
             reused_tokens=int(result.num_reusable),
             fallback_reason=result.fallback_reason,
             state=prefill,
+            read_share=result.read_share,
+        )
+
+    def _oracle_mask(self, strategy: Strategy, tokens: list[int]) -> torch.Tensor:
+        """The deviation oracle's selection for ``tokens`` (see :func:`oracle_recompute_mask`)."""
+        full = self.core.full_prefill(tokens)
+        naive_config = self.core.config.replace(blend_recompute_ratios=[0.0])
+        naive = self.core.blender.blend(tokens, config=naive_config)
+        count = int(strategy.ratios[0] * naive.num_reusable)
+        return oracle_recompute_mask(
+            (full.keys, full.values), (naive.keys, naive.values), naive.valid_mask, count
         )
 
     @torch.no_grad()

@@ -4,8 +4,9 @@ Starts ``lmcache-backend serve`` (or targets ``--url``) and runs phases on that 
 over a corpus of its own (``--corpus-chunks`` fictional profiles: every phase starts cold) with
 Zipf popularity, ``--requests`` streaming chats each:
 
-* ``full``: every request opted out (``kv_transfer_params={"blend": false}``) and carrying a
-  ``cache_salt`` of its own, so neither vLLM's prefix cache nor the store serves it;
+* ``full``: every request opted out of reuse and of the store (``kv_transfer_params={"blend":
+  false, "lmcache.skip_save": true}``) and carrying a ``cache_salt`` of its own, so neither
+  vLLM's prefix cache nor the store serves it, and it writes nothing;
 * ``prefix``: opted out, no salt: vLLM's prefix caching alone (the server runs with it on);
 * ``blend``: CacheBlend with the server's settings (prefix caching stays on);
 * ``ingested``: CacheBlend after ``lmcache-backend ingest`` wrote the phase's corpus into the
@@ -33,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_backend.bench import load_ingest, load_stats
+from lmcache_backend.bench.client_common import FULL_PREFILL_PARAMS
 from lmcache_backend.bench.load_driver import PhaseSpec, run_phase
 from lmcache_backend.bench.load_workload import build_requests, corpus
 
 PHASES = {
-    "full": PhaseSpec("full prefill", params={"blend": False}, unique_salt=True),
+    "full": PhaseSpec("full prefill", params=FULL_PREFILL_PARAMS, unique_salt=True),
     "prefix": PhaseSpec("prefix caching", params={"blend": False}),
     "blend": PhaseSpec("cacheblend"),
     "ingested": PhaseSpec("pre-encoded corpus"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -56,14 +57,19 @@ def redis_server_binary() -> str:
 
 @contextlib.contextmanager
 def local_redis() -> Iterator[str]:
-    """A ``redis-server`` on a free loopback port, no persistence, removed at the end; its URL."""
+    """A ``redis-server`` on a free loopback port, no persistence, at most a quarter of the
+    machine's memory (least recently used keys evicted), removed at the end; its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     folder = tempfile.mkdtemp(prefix="lmcache-bench-redis-")
+    # a quarter of the machine's memory, least recently used keys evicted beyond it: a long run
+    # that writes more than the corpus must slow down, never push the engine out of memory
+    limit_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 // (1 << 20)
     proc = subprocess.Popen(
         [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", folder],
+         "--appendonly", "no", "--dir", folder, "--maxmemory", f"{limit_mb}mb",
+         "--maxmemory-policy", "allkeys-lru"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -89,8 +95,6 @@ def pre_encode(chunks: list[str], env: dict[str, str], model: str | None, out) -
     Raises:
         SystemExit: the command failed (its last output lines say why).
     """
-    import os
-
     with tempfile.TemporaryDirectory(prefix="lmcache-bench-ingest-") as folder:
         corpus, template = Path(folder, "corpus.jsonl"), Path(folder, "template.json")
         corpus.write_text("".join(json.dumps({"text": c}) + "\n" for c in chunks), "utf-8")

@@ -206,7 +206,8 @@ def _pct(v: float | None) -> str:
 
 LEGEND = (
     "full prefill: opted out, a cache_salt of its own per request (neither vLLM's prefix cache "
-    "nor the store serves it); prefix caching: opted out, no salt; "
+    "nor the store serves it), nothing stored (lmcache.skip_save); prefix caching: opted out, "
+    "no salt; "
     "TTFT and ITL in ms (client side, streamed); ITL: gaps between a stream's tokens; "
     "blended: share of requests blended; found, reused: share of prompt tokens the store (or "
     "vLLM's prefix cache) held when asked, and that blends reused (stats file); mixed: answers "

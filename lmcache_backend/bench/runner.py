@@ -54,6 +54,8 @@ class StrategyOutcome:
     answer_kl: float | None = None
     cache_bytes: int | None = 0
     fallback_reason: str | None = None
+    #: what the recomputed tokens held of the question's reads (preview selections)
+    read_share: float | None = None
 
     @property
     def ttft_ms(self) -> float:
@@ -103,6 +105,7 @@ def _untimed_pass(
             reused_tokens=run.reused_tokens,
             cache_bytes=engine.cache_bytes(strategy),
             fallback_reason=run.fallback_reason,
+            read_share=run.read_share,
         )
         if max_new_tokens > 0:
             answer = engine.decode(tokens, run, max_new_tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-FULL, PREFIX, BLEND, EPIC = "full", "prefix", "blend", "epic"
+FULL, PREFIX, BLEND, EPIC, ORACLE = "full", "prefix", "blend", "epic", "oracle"
 
 
 @dataclass(frozen=True)
@@ -19,12 +19,17 @@ class Strategy:
     Attributes:
         name: the label in tables, JSON and plots.
         kind: ``full`` (no reuse), ``prefix`` (leading identical tokens only), ``blend``
-            (CacheBlend; ratio 0 is naive full reuse) or ``epic`` (static selection).
-        ratios: CacheBlend ratio per check layer (one value broadcasts), for ``blend``.
+            (CacheBlend; ratio 0 is naive full reuse), ``epic`` (static selection) or
+            ``oracle`` (the tokens whose cached K/V deviate most from full prefill's, known from
+            a full prefill: a bound for selection rules, not a way to serve).
+        ratios: CacheBlend ratio per check layer (one value broadcasts), for ``blend``; the
+            share recomputed, for ``oracle``.
         check_layers: CacheBlend check layers, for ``blend``.
         epic_k: leading tokens of each chunk recomputed, for ``epic``.
         block_size: prefix-cache granularity in tokens, for ``prefix`` (1 = any token).
         selection: CacheBlend token selector (``blend_selection``), for ``blend``; None: the
+            engine's configured one.
+        read_share: ``blend_min_read_share`` (the fidelity knob), for ``blend``; None: the
             engine's configured one.
     """
 
@@ -35,6 +40,7 @@ class Strategy:
     epic_k: int = 0
     block_size: int = 1
     selection: str | None = None
+    read_share: float | None = None
 
     @property
     def final_ratio(self) -> float | None:
@@ -82,10 +88,13 @@ def _fmt(values: Sequence[float | int]) -> str:
 
 
 def blend_strategy(
-    ratios: Sequence[float], check_layers: Sequence[int], selection: str | None = None
+    ratios: Sequence[float],
+    check_layers: Sequence[int],
+    selection: str | None = None,
+    read_share: float | None = None,
 ) -> Strategy:
-    """CacheBlend with a schedule (and a selector, when given); ratio 0 everywhere is naive
-    full reuse."""
+    """CacheBlend with a schedule (and a selector and a read-share target, when given); ratio 0
+    everywhere is naive full reuse."""
     ratios, layers = tuple(ratios), tuple(check_layers)
     if all(r == 0 for r in ratios):
         return Strategy("naive reuse", BLEND, ratios=(0.0,), check_layers=layers[:1])
@@ -97,7 +106,11 @@ def blend_strategy(
         name = f"CacheBlend r={_fmt(ratios)} L={_fmt(layers)}"
     if selection:
         name += f" {selection}"
-    return Strategy(name, BLEND, ratios=ratios, check_layers=layers, selection=selection)
+    if read_share is not None:
+        name += f" read>={read_share:g}"
+    return Strategy(
+        name, BLEND, ratios=ratios, check_layers=layers, selection=selection, read_share=read_share
+    )
 
 
 def build_strategies(
@@ -109,11 +122,14 @@ def build_strategies(
     include_prefix: bool = True,
     include_naive: bool = True,
     selections: Sequence[str | None] = (None,),
+    read_shares: Sequence[float] = (),
+    oracle_ratios: Sequence[float] = (),
 ) -> list[Strategy]:
     """Full prefill first (every other strategy is compared with it), then prefix caching,
     naive reuse, one CacheBlend strategy per selector and ratio (the ratio applied at every check
-    layer), one per selector and explicit schedule (gradual filtering), and EPIC when
-    ``epic_k`` > 0. A selector of None is the engine's configured one."""
+    layer) and per read-share target on top of each ratio, one per selector and explicit
+    schedule (gradual filtering), EPIC when ``epic_k`` > 0, and one deviation oracle per
+    ``oracle_ratios`` entry. A selector of None is the engine's configured one."""
     out = [Strategy("full prefill", FULL)]
     if include_prefix:
         out.append(Strategy("prefix caching", PREFIX, block_size=max(1, prefix_block)))
@@ -124,10 +140,15 @@ def build_strategies(
             if ratio == 0 and include_naive:
                 continue  # already there
             out.append(blend_strategy([ratio], check_layers, selection))
+            if ratio > 0:
+                out.extend(
+                    blend_strategy([ratio], check_layers, selection, share) for share in read_shares
+                )
         for layers, schedule_ratios in schedules:
             out.append(blend_strategy(schedule_ratios, layers, selection))
     if epic_k > 0:
         out.append(Strategy(f"EPIC k={epic_k}", EPIC, epic_k=epic_k))
+    out.extend(Strategy(f"oracle r={r:g}", ORACLE, ratios=(r,)) for r in oracle_ratios)
     names = [s.name for s in out]
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:

@@ -119,6 +119,8 @@ class VLLMEngine:
             }
             if strategy.selection:
                 params["blend_selection"] = strategy.selection
+            if strategy.read_share is not None:
+                params["blend_min_read_share"] = strategy.read_share
             return params
         return {"blend": False}
 
@@ -174,6 +176,7 @@ class VLLMEngine:
             run.token_layers = round(float(record["token_layer_fraction"]) * num * layers)
             run.reused_tokens = reusable
             run.fallback_reason = record["fallback_reason"]
+            run.read_share = record.get("read_share")
         elif strategy.kind == BLEND:
             run.fallback_reason = "the connector did not claim the prompt"
         return run

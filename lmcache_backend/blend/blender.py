@@ -216,6 +216,7 @@ class LMCBlender:
             num_reusable=meta.num_reusable,
             token_layers=meta.token_layers,
             fallback_reason=meta.fallback_reason,
+            read_share=meta.read_share,
         )
 
     def blend_passes(

@@ -18,6 +18,7 @@ from lmcache_backend.blend.engine_side import NO_TARGET, KVTarget
 from lmcache_backend.blend.layer_blend import LAST_RESORT, blend_layer_kv
 from lmcache_backend.blend.layers import run_layers
 from lmcache_backend.blend.preview_mass import PreviewMass
+from lmcache_backend.blend.read_share import count_for_read_share, read_share
 from lmcache_backend.blend.request import BlendMetadata
 from lmcache_backend.blend.selection import (
     QUERY_PREVIEW_LAST,
@@ -93,11 +94,19 @@ def preview_selection(
     candidates[: meta.exact_prefix] = False
     if last is not None:
         scores = query_and_last_scores(scores, last, candidates)
+    reads = scores.clone()  # what the question reads of each token, before the ranking adjusts it
     if config.blend_position_discount > 0:
         discount = position_discount(
             meta.positions.to(scores.device), config.blend_position_discount
         )
         scores = scores / discount
+    if config.blend_min_read_share > 0:
+        most = selection_count(
+            config.blend_max_recompute_ratio, int(valid.sum()), meta.num_reusable
+        )
+        count = count_for_read_share(
+            reads, scores, candidates, config.blend_min_read_share, count, most
+        )
     if config.blend_selection_span > 1:
         scores = span_ranked(scores, candidates, config.blend_selection_span)
     if config.blend_chunk_head_tokens > 0:
@@ -106,6 +115,7 @@ def preview_selection(
         scores = heads_first(scores, heads.to(scores.device) & candidates)
     scores[: meta.exact_prefix] = LAST_RESORT
     chosen[select_topk_with_invalid(scores, valid, count)] = True
+    meta.read_share = read_share(reads, chosen, candidates)
     meta.cached_kv = preview.cached_kv
     # a streamed preview wrote every layer's cached rows into the target on its way
     meta.cached_in_target = meta.stream is not None

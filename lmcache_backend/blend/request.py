@@ -120,6 +120,9 @@ class BlendMetadata:
             (:class:`~lmcache_backend.blend.cached_kv.LayerStream`); else None.
         cached_in_target: every layer's cached rows are already in the target (a streamed
             preview wrote them): the blend computes its rows without retrieving again.
+        read_share: the share of what the question reads of the reusable tokens (the preview's
+            scores) that the recomputed ones hold; None without a preview
+            (:mod:`lmcache_backend.blend.read_share`).
     """
 
     positions: torch.Tensor
@@ -143,6 +146,7 @@ class BlendMetadata:
     timer: Any = NO_TIMER
     stream: Any = None
     cached_in_target: bool = False
+    read_share: float | None = None
 
     def drop_tail(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (indices into ``active``) without the tokens left to the engine."""
@@ -174,6 +178,8 @@ class BlendResult:
         num_reusable: valid tokens at the start.
         token_layers: sum over layers of tokens computed (``T * L`` for a full prefill).
         fallback_reason: why blending fell back to a full prefill, or None if it blended.
+        read_share: the share of the question's reads of the reusable tokens that the
+            recomputed tokens hold (preview selections); None otherwise.
     """
 
     logits: torch.Tensor | None
@@ -184,6 +190,7 @@ class BlendResult:
     num_reusable: int
     token_layers: int
     fallback_reason: str | None
+    read_share: float | None = None
 
     @property
     def blended(self) -> bool:

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from lmcache_backend.ops.reference import token_deviation
+from lmcache_backend.settings import PREVIEW_SELECTION_CHOICES
 
 #: The selection that previews the query over the cached K/V instead of checking a layer.
 QUERY_PREVIEW = "query_preview"
@@ -71,7 +72,7 @@ QUERY_PREVIEW = "query_preview"
 QUERY_PREVIEW_LAST = "query_preview_last"
 
 #: The selections that run the preview pass.
-PREVIEW_SELECTIONS = frozenset({QUERY_PREVIEW, QUERY_PREVIEW_LAST})
+PREVIEW_SELECTIONS = frozenset(PREVIEW_SELECTION_CHOICES)
 
 #: Selections that need the query's attention at the layers before (and at) the check layer.
 NEEDS_QUERY_ATTENTION = frozenset({"query_attention", "query_kv_deviation"})

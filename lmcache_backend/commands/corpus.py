@@ -24,6 +24,7 @@ from typing import Any
 
 from lmcache_backend.bench.dataset import WARM_QUESTION
 from lmcache_backend.blend.segmenting import PROMPT_SHAPES, STOCK_RAG_SYSTEM
+from lmcache_backend.data.jsonl import read_jsonl
 from lmcache_backend.logtext import shorten
 
 #: where the chunk goes in a template
@@ -80,20 +81,8 @@ def _folder(folder: Path) -> Iterator[Chunk]:
 
 
 def _jsonl(file: Path) -> Iterator[Chunk]:
-    try:
-        handle = file.open(encoding="utf-8")
-    except OSError as exc:
-        raise CorpusError(f"{shorten(str(file))}: cannot open it ({exc.strerror})") from None
-    with handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            where = f"{shorten(str(file))}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CorpusError(f"{where}: not JSON ({exc.msg})") from None
-            yield from _row_chunks(row, where, number)
+    for where, number, row in read_jsonl(file, CorpusError):
+        yield from _row_chunks(row, where, number)
 
 
 def _row_chunks(row: Any, where: str, number: int) -> Iterator[Chunk]:

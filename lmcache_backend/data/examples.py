@@ -11,10 +11,11 @@ JSONL format, one object per line::
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from lmcache_backend.data.jsonl import read_jsonl
 
 DEFAULT_SYSTEM = (
     "You are a helpful assistant. Answer the question using only the documents in the context. "
@@ -236,26 +237,18 @@ def load_examples(path: str | Path) -> list[RagExample]:
         DatasetError: a line is not JSON or lacks/mistypes a field (names file, line, field).
     """
     examples = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise DatasetError(f"{where}: expected a JSON object")
-            examples.append(
-                RagExample(
-                    id=str(_require(obj, "id", str, where)),
-                    system=str(_require(obj, "system", str, where)),
-                    chunks=_str_list(obj, "chunks", where),
-                    question=str(_require(obj, "question", str, where)),
-                    answers=_str_list(obj, "answers", where),
-                )
+    for where, _, obj in read_jsonl(path, DatasetError):
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{where}: expected a JSON object")
+        examples.append(
+            RagExample(
+                id=str(_require(obj, "id", str, where)),
+                system=str(_require(obj, "system", str, where)),
+                chunks=_str_list(obj, "chunks", where),
+                question=str(_require(obj, "question", str, where)),
+                answers=_str_list(obj, "answers", where),
             )
+        )
     if not examples:
         raise DatasetError(f"{path}: holds no examples")
     return examples

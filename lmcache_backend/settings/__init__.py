@@ -42,6 +42,7 @@ from __future__ import annotations
 from lmcache_backend.settings.engine_keys import (
     BACKEND_CHOICES,
     LMCACHE_KEYS_IGNORED,
+    PREVIEW_SELECTION_CHOICES,
     SCORED_LAYER_CHOICES,
     SEGMENTATION_CHOICES,
     SELECTION_CHOICES,
@@ -69,6 +70,7 @@ __all__ = [
     "ENVIRONMENT",
     "ENV_PREFIX",
     "LMCACHE_KEYS_IGNORED",
+    "PREVIEW_SELECTION_CHOICES",
     "REGISTRY",
     "REQUEST",
     "SCORED_LAYER_CHOICES",

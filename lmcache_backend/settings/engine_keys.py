@@ -22,6 +22,8 @@ SELECTION_CHOICES = (
     "query_preview",
     "query_preview_last",
 )
+#: the selections that run a preview pass (the read-share knob needs one)
+PREVIEW_SELECTION_CHOICES = ("query_preview", "query_preview_last")
 
 
 _HEADS_AND_SCORED = (
@@ -101,6 +103,29 @@ ENGINE_KEYS: tuple[Setting, ...] = (
         details="`kv_deviation` is LMCache's; the preview selections (`query_preview*`) run the "
         "question over the cached K/V first "
         "([quality.md](docs/quality.md#selectors-blend_selection-lmcache_blend_selection))",
+        group="blend",
+        per_request=True,
+    ),
+    # The fidelity knob: a prompt whose question reads many reused tokens gets more recompute
+    # than one that reads a few (blend/read_share.py, docs/quality.md "The fidelity knob").
+    _key(
+        "blend_min_read_share",
+        p.number(0.0, 1.0, below_maximum=True),
+        0.0,
+        "preview selections recompute more tokens, up to `blend_max_recompute_ratio`, until the "
+        "recomputed ones hold this share of what the question reads of the reused text",
+        details="how far from full prefill a blend may go, as the request itself measures it "
+        "(the stats record's `read_share`); 0: the ratio alone decides "
+        "([quality.md](docs/quality.md#the-fidelity-knob-blend_min_read_share))",
+        group="blend",
+        per_request=True,
+    ),
+    _key(
+        "blend_max_recompute_ratio",
+        p.number(0.0, 1.0),
+        0.5,
+        "the largest share of the reusable tokens that `blend_min_read_share` may recompute",
+        details="the knob's cost cap; never below the ratio of `blend_recompute_ratios`",
         group="blend",
         per_request=True,
     ),

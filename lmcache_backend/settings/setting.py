@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from lmcache_backend.logtext import shorten, shown
 from lmcache_backend.settings.parsers import Parser
 
 ENV_PREFIX = "LMCACHE_"
@@ -113,13 +114,14 @@ class Setting:
         """``value`` fit for a message: secrets hidden, at most :data:`MAX_SHOWN` characters."""
         if self.secret and isinstance(value, str):
             return f"<hidden, {len(value.encode('utf-8', 'surrogatepass'))} bytes>"
-        return bounded(repr(self.printable(value)))
+        return shown(self.printable(value), MAX_SHOWN)
 
     def error(self, value: Any, where: str, why: str) -> ConfigError:
         """The one-line error of an invalid ``value`` that came from ``where``."""
         why = " ".join(str(why).split()) or "invalid"
-        shown = self.shown(value)
-        return ConfigError(f"{self.label} (from {where}) = {shown}: {bounded(why, 240)}")
+        return ConfigError(
+            f"{self.label} (from {where}) = {self.shown(value)}: {shorten(why, 240)}"
+        )
 
     def value(self, raw: Any, where: str) -> Any:
         """``raw`` parsed; :class:`ConfigError` naming this setting, ``where``, the value and
@@ -131,8 +133,3 @@ class Setting:
             if self.parse.accepts not in why and not why.startswith("expected "):
                 why += f" (accepted: {self.parse.accepts})"
             raise self.error(raw, where, why) from None
-
-
-def bounded(text: str, limit: int = MAX_SHOWN) -> str:
-    """``text`` cut to ``limit`` characters (an ellipsis says so)."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -29,8 +29,10 @@ CONNECTOR_KEYS: tuple[Setting, ...] = (
         None,
         "append one JSON line per request the connector saw",
         details='Blended (`"blended": true`): tokens, claimed, reusable, recomputed, '
-        "`token_layer_fraction`, `attention_fraction` (the last layer's query-key pairs as a "
-        'share of a full prefill\'s). Left to vLLM (`"blended": false`): `reason` (`blending '
+        "`recompute_fraction`, `token_layer_fraction`, `attention_fraction` (the last layer's "
+        "query-key pairs as a share of a full prefill's), `read_share` (what the recomputed "
+        "tokens hold of the question's reads, preview selections). Left to vLLM "
+        '(`"blended": false`): `reason` (`blending '
         "off`, `opted out`, `lora`, `no reusable span`, `below blend_min_tokens`, `would not "
         "pay`), `detail`, `num_reusable`, `predicted_cost_share`; the server's log says the "
         "same per request",
@@ -109,6 +111,9 @@ CONNECTOR_KEYS: tuple[Setting, ...] = (
     ),
 )
 
+#: LMCache's request key that keeps a request's K/V out of the store
+SKIP_SAVE = "lmcache.skip_save"
+
 REQUEST_ONLY_KEYS: tuple[Setting, ...] = (
     Setting(
         "blend",
@@ -116,5 +121,15 @@ REQUEST_ONLY_KEYS: tuple[Setting, ...] = (
         p.boolean(),
         True,
         "`false`: no reuse for this request (a full prefill on the same engine)",
+    ),
+    # LMCache's own request key: a request whose K/V nobody will ask for again (a one-off
+    # prompt, a benchmark's reference run) need not fill the store.
+    Setting(
+        SKIP_SAVE,
+        Scope.REQUEST,
+        p.boolean(),
+        False,
+        "`true`: this request's K/V are not written to the store (it may still reuse what the "
+        "store holds)",
     ),
 )

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -32,6 +33,22 @@ logger = logging.getLogger(__name__)
 WARN_INTERVAL_S = 60.0
 
 
+@dataclass(frozen=True)
+class Connection:
+    """How every server of the tier is reached: socket timeouts and the reconnection backoff
+    (seconds)."""
+
+    timeout: float = 1.0
+    connect_timeout: float = 0.25
+    retry_base_delay: float = 0.5
+    retry_max_delay: float = 30.0
+
+    @property
+    def delays(self) -> tuple[float, float]:
+        """The reconnection backoff ``(base, max)``."""
+        return (self.retry_base_delay, self.retry_max_delay)
+
+
 class RedisNode:
     """One server: its client, health and counters.
 
@@ -40,14 +57,15 @@ class RedisNode:
             ``node`` label.
         client: a redis-py client for this server alone.
         probe: raises while the server is unreachable (run by the reconnecting thread).
+        connection: its reconnection backoff.
     """
 
     def __init__(
-        self, name: str, client: Any, probe: Callable[[], object], delays: tuple[float, float]
+        self, name: str, client: Any, probe: Callable[[], object], connection: Connection
     ) -> None:
         self.name = name
         self.client = client
-        self.guard = ConnectionGuard(f"redis {name}", probe, *delays)
+        self.guard = ConnectionGuard(f"redis {name}", probe, *connection.delays)
         #: values this server refused to store, and values read from it that were refused
         self.refused = 0
         self._lock = threading.Lock()
@@ -80,7 +98,7 @@ class RedisNode:
         self.guard.close()
 
 
-def client_options(target: RedisTarget, timeout: float, connect_timeout: float) -> dict[str, Any]:
+def client_options(target: RedisTarget, connection: Connection) -> dict[str, Any]:
     """redis-py keyword arguments of a connection to one server of ``target``: the URL's
     credentials/TLS/db, the socket timeouts, and no client-side retries (a retry loop would
     block the request; the guard reconnects in the background instead)."""
@@ -89,8 +107,8 @@ def client_options(target: RedisTarget, timeout: float, connect_timeout: float) 
         options["unix_socket_path"] = options.pop("path")
         options.pop("connection_class", None)
     options.update(
-        socket_timeout=timeout,
-        socket_connect_timeout=connect_timeout,
+        socket_timeout=connection.timeout,
+        socket_connect_timeout=connection.connect_timeout,
         health_check_interval=0,
     )
     return options
@@ -105,8 +123,7 @@ class ServerTopology:
 
     Args:
         target: the parsed URL (mode ``server`` or ``sentinel``).
-        timeout, connect_timeout: socket timeouts (s).
-        delays: reconnection backoff ``(base, max)`` (s).
+        connection: timeouts and reconnection backoff.
         on_cluster_node: called when the server says it is a cluster node (only for a plain
             ``redis://`` URL, ``target.detect_cluster``).
     """
@@ -114,21 +131,19 @@ class ServerTopology:
     def __init__(
         self,
         target: RedisTarget,
-        timeout: float,
-        connect_timeout: float,
-        delays: tuple[float, float],
+        connection: Connection,
         on_cluster_node: Callable[[], None] | None = None,
     ) -> None:
         self.target = target
         self._on_cluster_node = on_cluster_node if target.detect_cluster else None
-        options = client_options(target, timeout, connect_timeout)
+        options = client_options(target, connection)
         self._sentinel = None
         if target.mode == SENTINEL:
             self._sentinel = redis.Sentinel(
                 list(target.nodes),
                 sentinel_kwargs={
-                    "socket_timeout": timeout,
-                    "socket_connect_timeout": connect_timeout,
+                    "socket_timeout": connection.timeout,
+                    "socket_connect_timeout": connection.connect_timeout,
                     "retry": _no_retry(),
                 },
             )
@@ -142,7 +157,7 @@ class ServerTopology:
             else:
                 name = options["unix_socket_path"]
             client = redis.Redis(retry=_no_retry(), retry_on_error=[], **options)
-        self.node = RedisNode(name, client, self.contact, delays)
+        self.node = RedisNode(name, client, self.contact, connection)
 
     def contact(self) -> None:
         """Ask the server whether it is there (and, for a plain URL, whether it is a cluster
@@ -201,20 +216,18 @@ class ClusterTopology:
     def __init__(
         self,
         target: RedisTarget,
-        timeout: float,
-        connect_timeout: float,
-        delays: tuple[float, float],
+        connection: Connection,
     ) -> None:
         self.target = target
-        self._delays = delays
-        self._options = client_options(target, timeout, connect_timeout)
+        self._connection = connection
+        self._options = client_options(target, connection)
         self._lock = threading.Lock()
         self._nodes: dict[str, RedisNode] = {}
         self._cluster: Any = None
         self._refreshing = threading.Lock()
         self._last_refresh = 0.0
         seeds = ",".join(f"{h}:{p}" for h, p in target.nodes)
-        self.seed = RedisNode(f"cluster {shorten(seeds, 120)}", None, self.connect, delays)
+        self.seed = RedisNode(f"cluster {shorten(seeds, 120)}", None, self.connect, connection)
 
     def connect(self) -> None:
         """Build the cluster client: reads the slot map from the first seed that answers."""
@@ -244,7 +257,8 @@ class ClusterTopology:
                 node = self._nodes.get(name)
                 if node is None:
                     client = self._cluster.get_redis_connection(cluster_node)
-                    node = RedisNode(name, client, self._prober(name, client), self._delays)
+                    probe = self._prober(name, client)
+                    node = RedisNode(name, client, probe, self._connection)
                     self._nodes[name] = node
         return node
 
@@ -298,7 +312,8 @@ class ClusterTopology:
     def _refresh_soon(self) -> None:
         """Re-read the slot map in the background, at most once per reconnection delay."""
         now = time.monotonic()
-        if now - self._last_refresh < self._delays[0] or not self._refreshing.acquire(False):
+        too_soon = now - self._last_refresh < self._connection.retry_base_delay
+        if too_soon or not self._refreshing.acquire(False):
             return
         self._last_refresh = now
 
@@ -353,12 +368,10 @@ class ClusterTopology:
 
 def topology(
     target: RedisTarget,
-    timeout: float,
-    connect_timeout: float,
-    delays: tuple[float, float],
+    connection: Connection,
     on_cluster_node: Callable[[], None] | None = None,
 ) -> ServerTopology | ClusterTopology:
     """The topology of ``target``'s mode."""
     if target.mode == CLUSTER:
-        return ClusterTopology(target, timeout, connect_timeout, delays)
-    return ServerTopology(target, timeout, connect_timeout, delays, on_cluster_node)
+        return ClusterTopology(target, connection)
+    return ServerTopology(target, connection, on_cluster_node)

@@ -37,6 +37,7 @@ from lmcache_backend.logtext import shorten
 from lmcache_backend.storage.auth import AuthenticationError, EntryAuth, is_sealed
 from lmcache_backend.storage.redis_nodes import (
     ClusterTopology,
+    Connection,
     RedisNode,
     ServerTopology,
     topology,
@@ -129,11 +130,10 @@ class RedisTier(Tier):
         self.layout = layout
         self.prefix = prefix
         self.ttl_ms = int(ttl * 1000) if ttl else None
-        self._timeouts = (timeout, connect_timeout)
-        self._delays = (retry_base_delay, retry_max_delay)
+        self._connection = Connection(timeout, connect_timeout, retry_base_delay, retry_max_delay)
         self._switch_lock = threading.Lock()
         self._topology: ServerTopology | ClusterTopology = topology(
-            self.target, timeout, connect_timeout, self._delays, self._use_cluster
+            self.target, self._connection, self._use_cluster
         )
         self._first_contact(self._topology)
 
@@ -162,7 +162,7 @@ class RedisTier(Tier):
                 self.target.shown,
             )
             self.target = dataclasses.replace(self.target, mode=CLUSTER, detect_cluster=False)
-            cluster = ClusterTopology(self.target, *self._timeouts, self._delays)
+            cluster = ClusterTopology(self.target, self._connection)
             self._first_contact(cluster)
             old, self._topology = self._topology, cluster
         old.close()

@@ -16,7 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from lmcache_backend.bench.client_common import FULL_PREFILL_NOTE, full_prefill_body
+from lmcache_backend.bench.client_common import (
+    FULL_PREFILL_NOTE,
+    FULL_PREFILL_PARAMS,
+    full_prefill_body,
+)
 from lmcache_backend.bench.clients import CLIENTS, make_shape
 
 FRAMEWORK_MODULES = {
@@ -66,7 +70,8 @@ def recorder():
 
 def test_a_full_prefill_body_opts_out_with_a_new_salt() -> None:
     a, b = full_prefill_body(), full_prefill_body()
-    assert a["kv_transfer_params"] == {"blend": False}
+    assert a["kv_transfer_params"] == {"blend": False, "lmcache.skip_save": True}
+    assert a["kv_transfer_params"] == FULL_PREFILL_PARAMS
     assert a["cache_salt"] != b["cache_salt"]
     # vLLM accepts salts of at most 128 characters without '@', '/', '\\' or NUL
     assert len(a["cache_salt"]) <= 128 and not set(a["cache_salt"]) & set("@/\\\0")
@@ -85,6 +90,6 @@ def test_every_full_prefill_request_has_a_salt_of_its_own(recorder, shape_name) 
     bodies = _Recorder.bodies
     assert len(bodies) == 4, bodies
     full = [b for i, b in enumerate(bodies) if i != 1]
-    assert all(b["kv_transfer_params"] == {"blend": False} for b in full), full
+    assert all(b["kv_transfer_params"] == FULL_PREFILL_PARAMS for b in full), full
     assert len({b["cache_salt"] for b in full}) == 3, full
     assert "cache_salt" not in bodies[1] and "kv_transfer_params" not in bodies[1], bodies[1]

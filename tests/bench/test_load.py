@@ -488,3 +488,10 @@ def test_ingested_chunks_are_found_in_the_load_requests() -> None:
         docs = [chunks[i] for i in req.chunk_ids]
         chunk_tokens = sum(len(tok.encode(d, add_special_tokens=False)) for d in docs)
         assert 0.85 * chunk_tokens <= found <= chunk_tokens, (found, chunk_tokens)
+
+
+def test_the_full_phase_neither_reuses_nor_stores() -> None:
+    """Each full-prefill request carries a salt of its own: its K/V could never be found, and
+    writing them (to a shared tier, megabytes a request) would slow only this phase."""
+    full = load.PHASES["full"]
+    assert full.params == {"blend": False, "lmcache.skip_save": True} and full.unique_salt

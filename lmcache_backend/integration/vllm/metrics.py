@@ -93,6 +93,17 @@ METRICS: dict[str, tuple[str, str | None, str]] = {
         None,
         "Time the blend of one request took (its own compute time, not vLLM's forward pass).",
     ),
+    "vllm:cacheblend_recompute_share": (
+        HISTOGRAM,
+        None,
+        "Share of a blended request's reusable tokens that the blend recomputed.",
+    ),
+    "vllm:cacheblend_read_share": (
+        HISTOGRAM,
+        None,
+        "Share of what a blended request's question reads of the reused text that the "
+        "recomputed tokens hold (preview selections; blend_min_read_share targets it).",
+    ),
     "vllm:cacheblend_store_hits": (COUNTER, "tier", "Segment loads served, by store tier."),
     "vllm:cacheblend_store_misses": (
         COUNTER,
@@ -146,6 +157,14 @@ METRICS: dict[str, tuple[str, str | None, str]] = {
 
 #: seconds; a blend takes milliseconds on a GPU, up to seconds on a CPU
 BLEND_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: buckets of the histograms of shares (0..1)
+SHARE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+#: each histogram's buckets
+HISTOGRAM_BUCKETS = {
+    "vllm:cacheblend_blend_seconds": BLEND_SECONDS_BUCKETS,
+    "vllm:cacheblend_recompute_share": SHARE_BUCKETS,
+    "vllm:cacheblend_read_share": SHARE_BUCKETS,
+}
 
 _KINDS = {COUNTER: "counters", GAUGE: "gauges", HISTOGRAM: "observations"}
 
@@ -231,7 +250,7 @@ class CacheBlendPromMetrics(KVConnectorPromMetrics):
                 )
             else:
                 metric = self._histogram_cls(
-                    name=name, documentation=doc, labelnames=names, buckets=BLEND_SECONDS_BUCKETS
+                    name=name, documentation=doc, labelnames=names, buckets=HISTOGRAM_BUCKETS[name]
                 )
             self._metrics[name] = metric
         self._children: dict[tuple[int, str, str], Any] = {}

@@ -76,7 +76,7 @@ class RequestState:
     Attributes:
         salt: the request's ``cache_salt`` (its key namespace), None: unsalted.
         stored: its segments may be stored (False for a LoRA request: keys do not know
-            adapters).
+            adapters; and for one whose ``kv_transfer_params`` ask ``lmcache.skip_save``).
         left_to_vllm: why the latest decision left the request to vLLM; None: it was claimed
             (or nothing was decided yet).
         claimed_tokens: the latest claim's size (0 when left to vLLM).

@@ -49,7 +49,11 @@ from lmcache_backend.integration.vllm.request_state import (
     RequestState,
     SlicedStart,
 )
-from lmcache_backend.integration.vllm.settings import ConnectorSettings, request_config
+from lmcache_backend.integration.vllm.settings import (
+    ConnectorSettings,
+    request_config,
+    skips_save,
+)
 from lmcache_backend.integration.vllm.stats import (
     append_json_line,
     left_to_vllm_line,
@@ -126,12 +130,10 @@ class SchedulerSide:
             state.stored = False  # the keys do not know the adapter
             self._skip(state, rid, len(tokens), "lora", "segment keys do not know adapters")
             return 0
-        config = request_config(
-            self.settings.config,
-            getattr(request, "kv_transfer_params", None),
-            self.settings.num_layers,
-            rid,
-        )
+        params = getattr(request, "kv_transfer_params", None)
+        if skips_save(params, rid):
+            state.stored = False  # the client asked: nothing of this request enters the store
+        config = request_config(self.settings.config, params, self.settings.num_layers, rid)
         if config is None:
             off = not self.settings.config.enable_blending
             self._skip(state, rid, len(tokens), "blending off" if off else "opted out")
@@ -272,10 +274,8 @@ class SchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
-            if state is None or not state.stored:
-                # never asked about (a path that skipped the connector) or a LoRA request: its
-                # namespace is unknown, or its K/V must not be shared, so nothing is stored
-                continue
+            if state is None:
+                continue  # never asked about (a path that skipped the connector)
             state.prompt = Prompt(list(new.prompt_token_ids or []), list(new.block_ids[0]))
             self._plan(meta, new.req_id, state, new.num_computed_tokens, scheduled)
         cached = scheduler_output.scheduled_cached_reqs
@@ -326,8 +326,13 @@ class SchedulerSide:
             )
         state.claim = None
         if num_computed + scheduled.get(rid, 0) >= len(prompt.token_ids):
-            # the prompt's K/V are complete after this step: store its segments, stop following
-            meta.saves.append(SaveSpec(rid, prompt.token_ids, list(prompt.block_ids), state.salt))
+            # the prompt's K/V are complete after this step: store its segments (unless it must
+            # not be: a LoRA request, whose keys do not know the adapter, or one that asked for
+            # lmcache.skip_save), stop following
+            if state.stored:
+                meta.saves.append(
+                    SaveSpec(rid, prompt.token_ids, list(prompt.block_ids), state.salt)
+                )
             state.prompt = None
 
     @staticmethod

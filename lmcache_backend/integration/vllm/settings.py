@@ -20,6 +20,7 @@ from lmcache_backend.blend.patterns import SegmentPattern, segment_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
 from lmcache_backend.logtext import shorten, shown
 from lmcache_backend.settings import CONNECTOR, ENGINE, REQUEST, dataclass_fields, parse_given
+from lmcache_backend.settings.vllm_keys import SKIP_SAVE
 from lmcache_backend.storage.index_dir import default_index_dir
 from lmcache_backend.storage.settings import store_settings
 
@@ -205,7 +206,7 @@ def request_config(
                 return None
         except ConfigError as exc:
             logger.warning("request %s: ignoring %s", shorten(str(request_id)), exc)
-    given = {k: params[k] for k in REQUEST if k != "blend" and k in params}
+    given = {k: params[k] for k in REQUEST if k in ENGINE and k in params}
     if not given:
         return config
     try:
@@ -221,3 +222,16 @@ def request_config(
             shorten(str(exc)),
         )
         return config
+
+
+def skips_save(params: Any, request_id: str = "?") -> bool:
+    """Whether a request's ``kv_transfer_params`` hold ``"lmcache.skip_save": true`` (LMCache's
+    key): its K/V are not written to the store. An invalid value is logged as a WARNING naming
+    the request, and the request is stored as usual."""
+    if not isinstance(params, dict) or SKIP_SAVE not in params:
+        return False
+    try:
+        return bool(REQUEST[SKIP_SAVE].value(params[SKIP_SAVE], "kv_transfer_params"))
+    except ConfigError as exc:
+        logger.warning("request %s: ignoring %s", shorten(str(request_id)), exc)
+        return False

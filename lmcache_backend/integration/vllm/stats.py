@@ -91,6 +91,9 @@ class BlendRecord:
     #: the request had a ``cache_salt`` (it reused segments of that salt only); the salt itself
     #: is never written: it may name a tenant
     salted: bool = False
+    #: the share of what the question reads of the reusable tokens that the recomputed ones
+    #: hold (preview selections; ``blend_min_read_share`` targets it), else None
+    read_share: float | None = None
     #: always True here; the lines of requests left to vLLM carry False and a ``reason``
     blended: bool = True
 
@@ -164,6 +167,7 @@ class BlendStats:
             blend_steps=timing.steps,
             blend_wall_ms=timing.wall_s * 1000.0,
             salted=spec.cache_salt is not None,
+            read_share=None if result.read_share is None else round(result.read_share, 4),
         )
         if self.time_phases:
             record.phases_ms = phases

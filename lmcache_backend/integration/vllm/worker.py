@@ -291,6 +291,9 @@ class WorkerSide:
             )
             out.inc("vllm:cacheblend_recomputed_tokens", record.recomputed_reusable)
             out.observe("vllm:cacheblend_blend_seconds", record.blend_ms / 1000.0)
+            out.observe("vllm:cacheblend_recompute_share", record.recompute_fraction)
+            if record.read_share is not None:
+                out.observe("vllm:cacheblend_read_share", record.read_share)
         self._records_counted = len(records)
         store = self.store.stats() if hasattr(self.store, "stats") else {}
         last = self._store_counted

@@ -118,3 +118,26 @@ def test_a_lora_request_is_neither_claimed_nor_stored(scheduler) -> None:
     assert scheduler.num_new_matched_tokens(lora, 0) == 0
     meta = _step(scheduler, [lora])
     assert meta.loads == [] and meta.saves == []
+
+
+@pytest.mark.parametrize("blend", [True, False])
+def test_skip_save_keeps_a_request_out_of_the_store(scheduler, blend, caplog) -> None:
+    """LMCache's ``lmcache.skip_save``: a request that asks for it still reuses what the store
+    holds (unless it opts out of blending) and is never stored; an invalid value is a warning
+    naming the request, and the request is stored as usual."""
+    tokens = _prompt(scheduler)
+    _hold(scheduler, tokens, None)
+    skip = _request("s", tokens)
+    skip.kv_transfer_params = {"lmcache.skip_save": True, "blend": blend}
+    stored = _request("k", tokens)
+    bad = _request("x", tokens)
+    bad.kv_transfer_params = {"lmcache.skip_save": "sometimes"}
+    assert (scheduler.num_new_matched_tokens(skip, 0) > 0) is blend
+    scheduler.num_new_matched_tokens(stored, 0)
+    scheduler.num_new_matched_tokens(bad, 0)
+    meta = _step(scheduler, [skip, stored, bad])
+    assert sorted(s.req_id for s in meta.saves) == ["k", "x"]
+    assert ("s" in [load.req_id for load in meta.loads]) is blend
+    assert "request x: ignoring lmcache.skip_save (from kv_transfer_params) = 'sometimes'" in (
+        caplog.text
+    )
