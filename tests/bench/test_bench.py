@@ -60,7 +60,7 @@ def test_builtin_dataset_default_count():
 @pytest.mark.parametrize(
     "bad_line, field",
     [
-        ("{not json", "not valid JSON"),
+        ("{not json", "not JSON"),
         (json.dumps({k: v for k, v in GOOD.items() if k != "question"}), "'question'"),
         (json.dumps(dict(GOOD, answers="x")), "'answers'"),
         (json.dumps(dict(GOOD, chunks=["only one"])), "'chunks'"),
