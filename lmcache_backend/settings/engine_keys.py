@@ -13,17 +13,17 @@ BACKEND_CHOICES = ("auto", "torch", "cpu", "cuda", "ascend")
 SEGMENTATION_CHOICES = ("auto", "separator", "blocks")
 #: ``blend_preview_scored_layers`` values
 SCORED_LAYER_CHOICES = ("global", "all")
-#: token selectors (``lmcache_backend.blend.selection.SCORERS``); kv_deviation is LMCache's
+#: the selections that run a preview pass (the read-share knob needs one)
+PREVIEW_SELECTION_CHOICES = ("query_preview", "query_preview_last")
+#: token selectors (``lmcache_backend.blend.selection.SCORERS``, then the preview selections);
+#: kv_deviation is LMCache's
 SELECTION_CHOICES = (
     "kv_deviation",
     "kv_deviation_v",
     "query_attention",
     "query_kv_deviation",
-    "query_preview",
-    "query_preview_last",
+    *PREVIEW_SELECTION_CHOICES,
 )
-#: the selections that run a preview pass (the read-share knob needs one)
-PREVIEW_SELECTION_CHOICES = ("query_preview", "query_preview_last")
 
 
 _HEADS_AND_SCORED = (

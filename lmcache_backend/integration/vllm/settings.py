@@ -200,12 +200,8 @@ def request_config(
             shown(unknown),
             ", ".join(REQUEST),
         )
-    if "blend" in params:
-        try:
-            if not REQUEST["blend"].value(params["blend"], "kv_transfer_params"):
-                return None
-        except ConfigError as exc:
-            logger.warning("request %s: ignoring %s", shorten(str(request_id)), exc)
+    if not _request_flag(params, "blend", request_id):
+        return None
     given = {k: params[k] for k in REQUEST if k in ENGINE and k in params}
     if not given:
         return config
@@ -228,10 +224,17 @@ def skips_save(params: Any, request_id: str = "?") -> bool:
     """Whether a request's ``kv_transfer_params`` hold ``"lmcache.skip_save": true`` (LMCache's
     key): its K/V are not written to the store. An invalid value is logged as a WARNING naming
     the request, and the request is stored as usual."""
-    if not isinstance(params, dict) or SKIP_SAVE not in params:
-        return False
+    return isinstance(params, dict) and _request_flag(params, SKIP_SAVE, request_id)
+
+
+def _request_flag(params: dict, key: str, request_id: str) -> bool:
+    """The request-only boolean ``key`` of ``params``; its default when absent, or (logged as a
+    WARNING naming the request) when invalid."""
+    setting = REQUEST[key]
+    if key not in params:
+        return setting.default
     try:
-        return bool(REQUEST[SKIP_SAVE].value(params[SKIP_SAVE], "kv_transfer_params"))
+        return bool(setting.value(params[key], "kv_transfer_params"))
     except ConfigError as exc:
         logger.warning("request %s: ignoring %s", shorten(str(request_id)), exc)
-        return False
+        return setting.default
