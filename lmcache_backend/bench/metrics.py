@@ -93,6 +93,27 @@ def mean_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
     return sum(rows) / len(rows) if rows else 0.0
 
 
+def top1_margins(logits: torch.Tensor) -> torch.Tensor:
+    """``[N]`` log-probability gap between the best and the second-best token of each row of
+    ``[N, vocab]`` logits: how close a greedy choice was to a tie (0 = a tie)."""
+    top2 = torch.log_softmax(logits.double(), dim=-1).topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def forced_flips(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, list[float]]:
+    """Along a teacher-forced answer (``[N, vocab]`` logits each): the share of the ``N`` steps
+    at which ``logits`` pick the same top token as ``reference_logits`` (1.0 for no rows), and
+    the reference's :func:`top1_margins` at the steps where they differ. A flip where the
+    reference itself was near a tie says the answer was fragile, not that the K/V was far."""
+    if reference_logits.shape != logits.shape:
+        raise ValueError(f"logit shapes differ: {reference_logits.shape} vs {logits.shape}")
+    if len(reference_logits) == 0:
+        return 1.0, []
+    flipped = reference_logits.argmax(dim=-1) != logits.argmax(dim=-1)
+    margins = top1_margins(reference_logits)[flipped]
+    return 1.0 - float(flipped.double().mean()), [float(m) for m in margins]
+
+
 def pairwise_ratios(times: Sequence[float], reference_times: Sequence[float]) -> list[float]:
     """``times[i] / reference_times[i]``: each run against the reference run of the same round,
     so both saw the same machine load."""

@@ -63,6 +63,10 @@ def summarize(cases: Sequence[CaseResult], strategies: Sequence[Strategy]) -> li
             fidelity_f1=mean([o.fidelity_f1 for o in outs if o.fidelity_f1 is not None]),
             gold_f1=mean([o.gold_f1 for o in outs if o.gold_f1 is not None]),
             answer_kl=mean([o.answer_kl for o in outs if o.answer_kl is not None]),
+            answer_top1_agreement=mean(
+                [o.answer_top1_agreement for o in outs if o.answer_top1_agreement is not None]
+            ),
+            margin_median=_median([m for o in outs for m in o.margins or ()]),
             read_share=mean([o.read_share for o in outs if o.read_share is not None]),
             cache_bytes=mean([float(o.cache_bytes) for o in outs if o.cache_bytes is not None]),
             fallbacks=sum(o.fallback_reason is not None for o in outs),
@@ -77,6 +81,10 @@ def summarize(cases: Sequence[CaseResult], strategies: Sequence[Strategy]) -> li
             else None
         )
     return rows
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _add_vs_naive(rows: list[dict[str, Any]]) -> None:
@@ -111,7 +119,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     header = (
         f"{'strategy':<40} {'TTFT ms':>8} {'vs full':>8} {'recomp':>7} {'tok-lay':>7} "
         f"{'acc':>5} {'acc/full':>8} {'agree':>6} {'F1/full':>7} {'F1 gold':>7} {'KL':>7} "
-        f"{'ans KL':>7} {'read':>5} {'gap closed':>11} {'cache MiB':>9}"
+        f"{'ans KL':>7} {'top1':>5} {'margin':>6} {'read':>5} {'gap closed':>11} {'cache MiB':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -121,6 +129,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{_pct(r['accuracy']):>5} {_pct(r['accuracy_vs_full']):>8} "
             f"{_pct(r['agreement']):>6} {_num(r['fidelity_f1'], '.3f'):>7} "
             f"{_num(r['gold_f1'], '.3f'):>7} {r['kl']:>7.3f} {_num(r['answer_kl'], '.3f'):>7} "
+            f"{_pct(r['answer_top1_agreement']):>5} {_num(r['margin_median'], '.2f'):>6} "
             f"{_pct(r['read_share']):>5} "
             f"{_pct(r['accuracy_recovered']) + ' / ' + _pct(r['kl_recovered']):>11} "
             f"{_num(None if r['cache_bytes'] is None else r['cache_bytes'] / _MIB, '.1f'):>9}"
@@ -139,9 +148,12 @@ LEGEND = (
     "greedy answer as full prefill; F1/full: the CacheBlend paper's F1 of the answer against full\n"
     "prefill's (fidelity); F1 gold: against the gold answers; KL: first-token KL(full ||\n"
     "strategy), mean; ans KL: KL(full || strategy) per token of full prefill's answer (its first\n"
-    "line, teacher-forced), mean; read: share of the question's reads of the reused text held by\n"
-    "the recomputed tokens (preview selections); gap closed: share of naive reuse's loss won\n"
-    "back, accuracy / KL; cache MiB: cached K/V the strategy draws on."
+    "line, teacher-forced), mean; top1: share of those forced tokens whose top choice is full\n"
+    "prefill's; margin: full prefill's log-prob gap between its top two tokens, median over its\n"
+    "answer's tokens (full prefill's row) or over the tokens where the strategy's top choice\n"
+    "differs (the others; small = a near-tie); read: share of the question's reads of the reused\n"
+    "text held by the recomputed tokens (preview selections); gap closed: share of naive reuse's\n"
+    "loss won back, accuracy / KL; cache MiB: cached K/V the strategy draws on."
 )
 
 

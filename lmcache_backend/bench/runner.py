@@ -16,9 +16,11 @@ from lmcache_backend.bench.metrics import (
     answer_span,
     answers_agree,
     first_line,
+    forced_flips,
     kl_divergence,
     mean_kl,
     median_ratio,
+    top1_margins,
 )
 from lmcache_backend.bench.strategies import FULL, Strategy
 from lmcache_backend.data.examples import RagExample
@@ -52,6 +54,11 @@ class StrategyOutcome:
     gold_f1: float | None = None
     #: mean KL(full || strategy) over full prefill's answer tokens, teacher-forced
     answer_kl: float | None = None
+    #: along the same forced answer: the share of tokens whose top-1 is full prefill's, and
+    #: full prefill's top-1 margin (log-prob, best minus second) at every token of its answer
+    #: (full prefill itself) or at the tokens where this strategy's top-1 differs (the others)
+    answer_top1_agreement: float | None = None
+    margins: list[float] | None = None
     cache_bytes: int | None = 0
     fallback_reason: str | None = None
     #: what the recomputed tokens held of the question's reads (preview selections)
@@ -122,6 +129,10 @@ def _untimed_pass(
             forced = reference if run is runs[0] else engine.forced_logits(tokens, run, span)
             outcome.fidelity_f1 = answer_f1(answer.text, full_text, engine.encode)
             outcome.answer_kl = mean_kl(reference, forced) if span else None
+            if span:
+                outcome.answer_top1_agreement, flips = forced_flips(reference, forced)
+                own = run is runs[0]
+                outcome.margins = top1_margins(reference).tolist() if own else flips
         outcomes.append(outcome)
         run.state = None  # free the K/V
         tick(1)

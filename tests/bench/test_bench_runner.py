@@ -132,6 +132,13 @@ def test_run_json_table_and_plots(tmp_path, dataset):
     assert rows["CacheBlend r=0.25"]["fidelity_f1"] == pytest.approx(7 / 8)
     assert rows["CacheBlend r=0.25"]["answer_kl"] == pytest.approx(rows["CacheBlend r=0.25"]["kl"])
     assert rows["full prefill"]["gold_f1"] == 1.0
+    # forced top-1: r=0.25 picks 0 where full prefill picks 7 (whose lead over 6 is 1 logit)
+    assert rows["full prefill"]["answer_top1_agreement"] == 1.0
+    assert rows["full prefill"]["margin_median"] == pytest.approx(1.0)  # over its own answer
+    assert rows["CacheBlend r=0.75"]["answer_top1_agreement"] == 1.0
+    assert rows["CacheBlend r=0.75"]["margin_median"] is None  # no flips
+    assert rows["CacheBlend r=0.25"]["answer_top1_agreement"] == 0.0
+    assert rows["CacheBlend r=0.25"]["margin_median"] == pytest.approx(1.0)  # at the flips
     assert "F1/full" in out.getvalue() and "ans KL" in out.getvalue()
     # TTFT is proportional to the computed tokens: the ratio is the share (floored).
     assert rows["CacheBlend r=0.75"]["ttft_ratio"] == pytest.approx(0.75, abs=0.06)

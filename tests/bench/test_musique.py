@@ -1,5 +1,5 @@
 """The CacheBlend paper's MuSiQue set (``--dataset musique``: the shipped file, or files written
-here in its format), its F1 and the teacher-forced KL's mean."""
+here in its format), its F1, the teacher-forced KL's mean and where forced answers flip."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from lmcache_backend.bench.metrics import (
     answer_f1,
     answer_span,
     first_line,
+    forced_flips,
     mean_kl,
     squad_normalize,
+    top1_margins,
 )
 from lmcache_backend.data.examples import DatasetError
 
@@ -126,3 +128,24 @@ def test_mean_kl_averages_rows():
         torch.log_softmax(other[1], -1), torch.log_softmax(ref[1], -1),
         log_target=True, reduction="sum").item() / 2)  # fmt: skip
     assert mean_kl(ref[:0], ref[:0]) == 0.0
+
+
+def test_top1_margins_are_the_log_prob_gap_of_the_two_best_tokens():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 0.0, -3.0], [-1.0, 4.0, 1.0]])
+    log_p = torch.log_softmax(logits.double(), -1)
+    assert top1_margins(logits).tolist() == pytest.approx(
+        [float(log_p[0, 0] - log_p[0, 1]), 0.0, float(log_p[2, 1] - log_p[2, 2])]
+    )
+    assert top1_margins(logits).tolist() == pytest.approx([2.0, 0.0, 3.0])  # shift-invariant
+
+
+def test_forced_flips_counts_changed_top_choices_and_keeps_the_reference_margins():
+    ref = torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.5, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    other = torch.tensor([[2.0, 0.0, 0.0], [0.6, 0.5, 0.0], [0.0, 2.0, 1.0], [1.0, 0.0, 0.0]])
+    agreement, margins = forced_flips(ref, other)
+    assert agreement == 0.5  # rows 1 and 2 changed their top token
+    assert margins == pytest.approx([0.5, 1.0])  # full prefill's own gaps there, in row order
+    assert forced_flips(ref, ref) == (1.0, [])
+    assert forced_flips(ref[:0], ref[:0]) == (1.0, [])
+    with pytest.raises(ValueError, match="shapes differ"):
+        forced_flips(ref, other[:2])
