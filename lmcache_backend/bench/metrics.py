@@ -11,13 +11,17 @@ from collections.abc import Callable, Sequence
 import torch
 
 
+def _require_same_shape(reference_logits: torch.Tensor, logits: torch.Tensor) -> None:
+    if reference_logits.shape != logits.shape:
+        raise ValueError(f"logit shapes differ: {reference_logits.shape} vs {logits.shape}")
+
+
 def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """``KL(p_ref || p)`` in nats between the softmax distributions of two ``[vocab]`` logits.
 
     Computed in fp64 from log-softmax, so tiny probabilities neither underflow nor give NaN.
     """
-    if reference_logits.shape != logits.shape:
-        raise ValueError(f"logit shapes differ: {reference_logits.shape} vs {logits.shape}")
+    _require_same_shape(reference_logits, logits)
     log_p = torch.log_softmax(reference_logits.double(), dim=-1)
     log_q = torch.log_softmax(logits.double(), dim=-1)
     # Clamp: rounding can leave a sum of -1e-17 for identical inputs.
@@ -87,8 +91,7 @@ def answer_span(token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
 def mean_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """Mean over rows of ``KL(p_ref || p)`` between ``[N, vocab]`` logits (see
     :func:`kl_divergence`); 0.0 for no rows."""
-    if reference_logits.shape != logits.shape:
-        raise ValueError(f"logit shapes differ: {reference_logits.shape} vs {logits.shape}")
+    _require_same_shape(reference_logits, logits)
     rows = [kl_divergence(r, x) for r, x in zip(reference_logits, logits)]
     return sum(rows) / len(rows) if rows else 0.0
 
@@ -105,8 +108,7 @@ def forced_flips(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple[
     at which ``logits`` pick the same top token as ``reference_logits`` (1.0 for no rows), and
     the reference's :func:`top1_margins` at the steps where they differ. A flip where the
     reference itself was near a tie says the answer was fragile, not that the K/V was far."""
-    if reference_logits.shape != logits.shape:
-        raise ValueError(f"logit shapes differ: {reference_logits.shape} vs {logits.shape}")
+    _require_same_shape(reference_logits, logits)
     if len(reference_logits) == 0:
         return 1.0, []
     flipped = reference_logits.argmax(dim=-1) != logits.argmax(dim=-1)

@@ -126,13 +126,13 @@ def _untimed_pass(
                 span = answer_span(answer.token_ids, engine.decode_ids)
                 reference = engine.forced_logits(tokens, run, span)
                 full_text = first_line(answer.text)  # the reference is graded text too
-            forced = reference if run is runs[0] else engine.forced_logits(tokens, run, span)
+            is_reference = run is runs[0]
+            forced = reference if is_reference else engine.forced_logits(tokens, run, span)
             outcome.fidelity_f1 = answer_f1(answer.text, full_text, engine.encode)
             outcome.answer_kl = mean_kl(reference, forced) if span else None
             if span:
                 outcome.answer_top1_agreement, flips = forced_flips(reference, forced)
-                own = run is runs[0]
-                outcome.margins = top1_margins(reference).tolist() if own else flips
+                outcome.margins = top1_margins(reference).tolist() if is_reference else flips
         outcomes.append(outcome)
         run.state = None  # free the K/V
         tick(1)

@@ -3,24 +3,17 @@ and a whole run over a bench JSON of the shipped MuSiQue development split."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from collections import Counter
 
 import pytest
-from repo_paths import REPO_ROOT
+from repo_paths import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def script():
-    path = REPO_ROOT / "benchmarks" / "musique_passages.py"
-    spec = importlib.util.spec_from_file_location("musique_passages_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("musique_passages")
 
 
 def test_spearman_ranks_with_ties_averaged(script):

@@ -6,12 +6,10 @@ and stays close."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import pytest
-from repo_paths import REPO_ROOT
+from repo_paths import benchmark_module
 
 pytest.importorskip("triton")
 pytest.importorskip("transformers")
@@ -19,12 +17,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def bench():
-    path = REPO_ROOT / "benchmarks" / "device_blend.py"
-    spec = importlib.util.spec_from_file_location("device_blend_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("device_blend")
 
 
 @pytest.mark.slow
