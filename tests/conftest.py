@@ -34,6 +34,17 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """A real 3-primary Redis Cluster shared by a module's tests (``redis_deployments.py``)."""
+    from redis_deployments import RedisClusterNodes
+
+    nodes = RedisClusterNodes(tmp_path_factory.mktemp("cluster"))
+    nodes.start()
+    yield nodes
+    nodes.stop()
+
+
 @pytest.fixture
 def device() -> torch.device:
     """:data:`DEVICE` as a ``torch.device``, for tests that take it as a fixture."""

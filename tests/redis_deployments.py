@@ -17,6 +17,15 @@ from redis_server import RedisServer, free_port, redis_server_binary
 NODE_TIMEOUT_MS = 1000
 
 
+def write_secret_file(folder: Path, secret: bytes) -> str:
+    """A shared-secret file as an operator keeps one (mode 0600), for the store key
+    ``shared_secret_file``; its path."""
+    path = folder / "secret"
+    path.write_bytes(secret + b"\n")
+    path.chmod(0o600)
+    return str(path)
+
+
 def _wait(condition, what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:

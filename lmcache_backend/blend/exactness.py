@@ -74,8 +74,9 @@ class InMemoryStore(SegmentStore):
         self._d: dict[str, SegmentKV] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> SegmentKV | None:
-        return self._d.get(key)
+    def get(self, key: str, num_tokens: int | None = None) -> SegmentKV | None:
+        kv = self._d.get(key)
+        return kv if kv is None or num_tokens in (None, kv.num_tokens) else None
 
     def put(self, key: str, kv: SegmentKV) -> bool:
         with self._lock:

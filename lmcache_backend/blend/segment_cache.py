@@ -96,7 +96,8 @@ class SegmentCache:
         return [(seg, self._load(tokens, seg)) for seg in self.match(tokens)]
 
     def _load(self, tokens: Sequence[int], segment: Segment) -> SegmentKV | None:
-        kv = self.store.get(self.key(tokens, segment))
+        # the length travels with the lookup: a tier refuses (and removes) a value of another
+        kv = self.store.get(self.key(tokens, segment), len(segment))
         if kv is None:
             return None
         fp = self.fingerprint

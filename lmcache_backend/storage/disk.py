@@ -132,7 +132,7 @@ class DiskTier(Tier):
 
     # -- SegmentStore ------------------------------------------------------------------------
 
-    def get(self, key: str) -> SegmentKV | None:
+    def get(self, key: str, num_tokens: int | None = None) -> SegmentKV | None:
         check_key(key)
         with self._lock:
             if key not in self._entries:
@@ -152,13 +152,13 @@ class DiskTier(Tier):
             logger.warning("disk tier: cannot read %s (%s); treated as a miss", path, exc)
             return None
         try:
-            kv = decode(data, key, self.fingerprint, self.layout)
-        except CorruptEntryError as exc:
-            logger.warning("disk tier: dropping corrupted segment file %s: %s", path, exc)
+            kv = decode(data, key, self.fingerprint, self.layout, num_tokens)
+        except (CorruptEntryError, FingerprintMismatchError) as exc:
+            # under this model's key, another model's entry is as wrong as a damaged one (the
+            # key is a digest of the fingerprint): removed, so the genuine value can be stored
+            logger.warning("disk tier: refusing segment file %s: %s; deleted", path, exc)
+            self._count_refused(key)
             self._drop_file(key, inode)
-            return None
-        except FingerprintMismatchError as exc:
-            logger.warning("disk tier: %s not used: %s", path, exc)
             return None
         with self._lock:
             if key in self._entries:
@@ -210,6 +210,8 @@ class DiskTier(Tier):
             if stored:
                 self._entries[key] = len(data)
                 self._bytes += len(data)
+        if stored:
+            self._count_stored(key)
         self._notify_evicted(evicted)
         return stored
 

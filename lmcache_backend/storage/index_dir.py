@@ -13,7 +13,9 @@ guessed document, whether it was sent). The folder is therefore:
 * **removed** when that process ends: on a normal exit (``atexit``), when a multiprocessing child
   (vLLM's worker processes) exits (its finalizers run even though ``atexit`` does not), on
   SIGTERM when nothing else handles it, and otherwise (SIGKILL, a crash) at the next start, which
-  removes the sibling folders whose owner no longer runs.
+  removes the sibling folders whose owner no longer runs, with the shared-memory segments the
+  owner recorded (:mod:`lmcache_backend.storage.shm_leftovers`): a crash loop leaves at most the
+  last engine's folder and segments behind.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 from lmcache_backend.config import ConfigError
+from lmcache_backend.storage import shm_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +196,7 @@ def _claim(folder: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w", encoding="ascii") as fh:
         fh.write(me + "\n")
+    shm_leftovers.record(folder)
     with _lock:
         _owned.add(folder)
     _install_exit_hooks()
@@ -214,7 +218,7 @@ def remove(folder: str, force: bool = False) -> bool:
     except OSError:
         return not os.path.lexists(folder)
     for name in names:
-        if _MARKER_RE.match(name) or name == OWNER_FILE:
+        if _MARKER_RE.match(name) or name in (OWNER_FILE, shm_leftovers.RECORD_FILE):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
     try:
@@ -245,6 +249,7 @@ def remove_stale(parent: str, keep: str | None = None) -> list[str]:
         owner = _read_owner(path)
         if owner is None or _owner_alive(owner):
             continue
+        shm_leftovers.remove_recorded(path)
         if remove(path, force=True):
             removed.append(path)
     if removed:
@@ -263,6 +268,7 @@ def remove_if_orphaned(folder: str, wait_s: float = 0.0) -> bool:
         if owner is None:
             return not os.path.lexists(folder)
         if not _owner_alive(owner):
+            shm_leftovers.remove_recorded(folder)
             return remove(folder, force=True)
         if time.monotonic() >= deadline:
             return False

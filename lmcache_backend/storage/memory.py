@@ -65,12 +65,27 @@ class MemoryTier(Tier):
         out = t.detach().to(self.device, copy=True).contiguous()
         return out.pin_memory() if self.pin_memory else out
 
-    def get(self, key: str) -> SegmentKV | None:
+    def get(self, key: str, num_tokens: int | None = None) -> SegmentKV | None:
         with self._lock:
             kv = self._entries.get(key)
             if kv is None:
                 return None
-            self._policy.touched(key)
+            wrong_length = num_tokens is not None and kv.num_tokens != num_tokens
+            if wrong_length:
+                self._pop(key)
+            else:
+                self._policy.touched(key)
+        if wrong_length:  # stored by a caller that put another segment under this key
+            logger.warning(
+                "%s tier: refusing segment %s: %d tokens, the segment has %d; removed",
+                self.name,
+                key[:16],
+                kv.num_tokens,
+                num_tokens,
+            )
+            self._count_refused(key)
+            self._notify_evicted([key])
+            return None
         if not self.copy_on_get:
             return kv
         # Entries are never modified after insertion, so cloning outside the lock is safe.
@@ -109,6 +124,7 @@ class MemoryTier(Tier):
             self._entries[key] = owned
             self._bytes += owned.nbytes
             self._policy.inserted(key, owned.nbytes)
+        self._count_stored(key)
         self._notify_evicted(evicted)
         return True
 
@@ -127,12 +143,17 @@ class MemoryTier(Tier):
         with self._lock:
             return key in self._entries
 
+    def _pop(self, key: str) -> SegmentKV | None:
+        """Drop ``key``'s entry (caller holds the lock)."""
+        kv = self._entries.pop(key, None)
+        if kv is not None:
+            self._bytes -= kv.nbytes
+            self._policy.removed(key)
+        return kv
+
     def remove(self, key: str) -> bool:
         with self._lock:
-            kv = self._entries.pop(key, None)
-            if kv is not None:
-                self._bytes -= kv.nbytes
-                self._policy.removed(key)
+            kv = self._pop(key)
         if kv is None:
             return False
         self._notify_evicted([key])

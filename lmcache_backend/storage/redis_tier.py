@@ -11,8 +11,18 @@ servers': run them with ``maxmemory`` and ``maxmemory-policy allkeys-lru``.
 
 With a shared secret (``auth``) every value is sealed with an HMAC over its key and bytes
 (:mod:`lmcache_backend.storage.auth`) and every value read must carry a valid tag: one that does
-not is a miss, logged, counted (:attr:`RedisTier.rejected`) and deleted, never parsed. Without
-one, anyone who can write to the servers chooses the K/V other engines load.
+not is a miss, logged, counted (:attr:`Tier.refused`) and deleted, never parsed. Without one,
+anyone who can write to the servers chooses the K/V other engines load. A value that is
+damaged, truncated, of another model or of another length than its segment is refused the same
+way. Deleted, a refused value no longer holds the key: the next store of the segment (this
+engine's own computation of it) is written there (:attr:`Tier.replaced`).
+
+An engine that serves a segment from its own memory never reads the shared copy, so it would
+never see that copy replaced by a bad value. :meth:`RedisTier.check_copy` looks: it compares
+the stored value's length and first bytes (the authentication tag and the entry's header, which
+holds its checksum) with those of the value this tier last wrote or verified, and reads and
+verifies the whole value only when they differ (:mod:`lmcache_backend.storage.shared_copy` runs
+it in the background).
 
 Failures cost misses, never errors. Keys are grouped by the server holding them (one pipelined
 round trip per server); a server that cannot be reached costs its keys at most one socket
@@ -28,13 +38,15 @@ import dataclasses
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 
 from lmcache_backend.logtext import shorten
-from lmcache_backend.storage.auth import AuthenticationError, EntryAuth, is_sealed
+from lmcache_backend.storage.auth import MAGIC, TAG_BYTES, AuthenticationError, EntryAuth, is_sealed
+from lmcache_backend.storage.redis_commands import SKIPPED, UNREACHABLE, Command, run_commands
 from lmcache_backend.storage.redis_nodes import (
     ClusterTopology,
     Connection,
@@ -51,7 +63,7 @@ from lmcache_backend.storage.serde import (
     decode,
     encode,
 )
-from lmcache_backend.storage.tier import Tier, check_key
+from lmcache_backend.storage.tier import CopyState, Tier, check_key
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +75,13 @@ _DELETE_IF_SAME = (
     "if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
     "return 0"
 )
-_UNREACHABLE = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.RedisClusterException,  # no seed node answered
-    OSError,
+# A value's length and its first ARGV[1] bytes, in one round trip (0 and "" when missing).
+_LENGTH_AND_HEAD = (
+    "return {redis.call('STRLEN', KEYS[1]), "
+    "redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)}"
 )
-#: redirections followed for one key (a MOVED after a resharding, then an ASK while migrating)
-_MAX_REDIRECTS = 2
-_BUSY = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
-
-#: ``add(pipeline, redis key)`` queues one command for one key
-Command = Callable[[Any, str], object]
+#: keys whose value's first bytes are remembered for :meth:`RedisTier.check_copy` (a bound)
+_MAX_KNOWN_HEADS = 65536
 
 
 def redis_key(prefix: str, key: str) -> str:
@@ -123,9 +130,9 @@ class RedisTier(Tier):
         self.target = url if isinstance(url, RedisTarget) else parse_remote_url(url)
         self.url = self.target.shown
         self.auth = auth
-        #: values refused because their authentication tag was missing or wrong
-        self.rejected = 0
-        self._rejected_lock = threading.Lock()
+        # key -> (length, head length, sha1 of the head) of the value last written or verified
+        self._heads: OrderedDict[str, tuple[int, int, bytes]] = OrderedDict()
+        self._heads_lock = threading.Lock()
         self.fingerprint = fingerprint
         self.layout = layout
         self.prefix = prefix
@@ -147,7 +154,7 @@ class RedisTier(Tier):
             node, contact = topo.node, topo.contact
         try:
             contact()
-        except (*_UNREACHABLE, redis.exceptions.RedisError) as exc:  # a warning, then retries
+        except (*UNREACHABLE, redis.exceptions.RedisError) as exc:  # a warning, then retries
             node.guard.failed(exc)
 
     def _use_cluster(self) -> None:
@@ -190,128 +197,54 @@ class RedisTier(Tier):
         return redis_key(self.prefix, key)
 
     def _run(self, rkeys: Sequence[str], add: Command, fallback: Any) -> list[Any]:
-        """``add`` each key's command to a pipeline of the server holding it; the replies, in
-        order. A key whose server is down, busy or refused the command gets ``fallback``
-        (a refusal is counted and logged: :meth:`_refused`)."""
-        out = [fallback] * len(rkeys)
-        todo: list[tuple[int, RedisNode | None]] = [(i, None) for i in range(len(rkeys))]
-        for _ in range(_MAX_REDIRECTS + 1):
-            if not todo:
-                break
-            topo = self._topology
-            routed: dict[str, tuple[RedisNode, list[tuple[int, bool]]]] = {}
-            asked = [(i, node) for i, node in todo if node is not None]
-            plain = [i for i, node in todo if node is None]
-            for node, idx in topo.group([rkeys[i] for i in plain]):
-                routed.setdefault(node.name, (node, []))[1].extend((plain[j], False) for j in idx)
-            for i, node in asked:
-                routed.setdefault(node.name, (node, []))[1].append((i, True))
-            todo, moved = [], None
-            for node, items in routed.values():
-                for (i, _asking), reply in zip(items, self._send(node, rkeys, items, add)):
-                    if isinstance(reply, redis.exceptions.MovedError):
-                        moved = reply
-                        todo.append((i, None))
-                    elif isinstance(reply, redis.exceptions.AskError):
-                        target = topo.node_at(reply.host, reply.port)
-                        if target is not None:
-                            todo.append((i, target))
-                    elif isinstance(reply, _BUSY):
-                        node.warn("busy", "%s: keys on it miss", shorten(str(reply), 100))
-                    elif isinstance(reply, redis.exceptions.ResponseError):
-                        self._refused(node, reply)
-                    elif not isinstance(reply, _Skipped):
-                        out[i] = reply
-            if moved is not None and not topo.moved(moved):  # the slot map, re-read once
-                todo = [(i, node) for i, node in todo if node is not None]
-        return out
-
-    def _send(
-        self, node: RedisNode, rkeys: Sequence[str], items: list[tuple[int, bool]], add: Command
-    ) -> list[Any]:
-        """One pipelined round trip to ``node``; a reply per item (:class:`_Skipped` when the
-        server is down)."""
-        skipped = [_SKIPPED] * len(items)
-        if not node.guard.available or node.client is None:
-            return skipped
-        try:
-            pipe = node.client.pipeline(transaction=False)
-            for i, asking in items:
-                if asking:
-                    pipe.execute_command("ASKING")
-                add(pipe, rkeys[i])
-            replies = pipe.execute(raise_on_error=False)
-        except _UNREACHABLE as exc:
-            node.guard.failed(exc)
-            return skipped
-        except redis.exceptions.RedisError as exc:  # e.g. NOAUTH on connect
-            node.warn("error", "%s: %s", type(exc).__name__, shorten(str(exc)))
-            return skipped
-        if any(asking for _, asking in items):  # drop the ASKING replies
-            kept, replies = [], iter(replies)
-            for _, asking in items:
-                if asking:
-                    next(replies)
-                kept.append(next(replies))
-            return kept
-        return replies
-
-    def _refused(self, node: RedisNode, reply: Exception) -> None:
-        """The server refused a command (``OOM`` under ``maxmemory-policy noeviction``,
-        ``READONLY``, ``NOPERM``, ...): a miss or a skipped store, counted and logged."""
-        node.count_refused()
-        kind = type(reply).__name__
-        node.warn(kind, "refused a command (%s: %s)", kind, shorten(str(reply)))
+        """:func:`~lmcache_backend.storage.redis_commands.run_commands` on this tier's
+        servers."""
+        return run_commands(lambda: self._topology, rkeys, add, fallback)
 
     # -- the tier ----------------------------------------------------------------------------
 
-    def get(self, key: str) -> SegmentKV | None:
-        rkey = self._rkey(key)
-        data = self._run([rkey], lambda p, k: p.get(k), None)[0]
-        if data is None:
-            return None
-        entry = self._open(key, rkey, data)
-        if entry is None:
-            return None
-        try:
-            return decode(entry, key, self.fingerprint, self.layout)
-        except CorruptEntryError as exc:
-            logger.warning("redis tier: dropping corrupted segment %s: %s", rkey, exc)
-            self._drop(key, rkey, data)
-            return None
-        except FingerprintMismatchError as exc:
-            logger.warning("redis tier: %s not used: %s", rkey, exc)
-            return None
+    def get(self, key: str, num_tokens: int | None = None) -> SegmentKV | None:
+        return self._read(key, num_tokens)[0]
 
-    def _open(self, key: str, rkey: str, data: bytes) -> bytes | memoryview | None:
-        """The entry inside the value ``data``, or None when it must not be used."""
-        if self.auth is None:
-            if is_sealed(data):  # another engine's, with a secret this one does not have
-                logger.warning(
-                    "redis tier: %s not used: it is authenticated with a shared secret and "
-                    "this engine has none",
-                    rkey,
-                )
-                return None
-            return data
+    def _read(self, key: str, num_tokens: int | None) -> tuple[SegmentKV | None, CopyState]:
+        """The verified value of ``key`` and what was found (a refused value is deleted)."""
+        rkey = self._rkey(key)
+        replies = self._run([rkey], lambda p, k: p.get(k), SKIPPED)
+        data = replies[0]
+        if data is SKIPPED:
+            return None, CopyState.UNKNOWN
+        if data is None:
+            return None, CopyState.MISSING
+        if self.auth is None and is_sealed(data):
+            # another engine's, with a secret this one does not have: valid for those engines
+            logger.warning(
+                "redis tier: %s not used: it is authenticated with a shared secret and this "
+                "engine has none",
+                rkey,
+            )
+            return None, CopyState.VALID
         try:
-            return self.auth.open(key, data)
-        except AuthenticationError as exc:
-            # whoever wrote it does not hold the secret: never parsed; deleted so that this
-            # engine's own computation of the segment can be stored (SET NX keeps the first)
-            with self._rejected_lock:
-                self.rejected += 1
+            entry = data if self.auth is None else self.auth.open(key, data)
+            kv = decode(entry, key, self.fingerprint, self.layout, num_tokens)
+        except (AuthenticationError, CorruptEntryError, FingerprintMismatchError) as exc:
+            # never used; deleted so that this engine's own computation of the segment can be
+            # stored (SET NX keeps the first value). Under this model's key, another model's
+            # entry is as wrong as a damaged one: the key is a digest of the fingerprint.
+            self._count_refused(key)
             node = self._topology.node_of(rkey)
             if node is not None:
                 node.count_refused()
             logger.warning("redis tier: refusing segment %s: %s; deleted", rkey, exc)
             self._drop(key, rkey, data)
-            return None
+            return None, CopyState.REFUSED
+        self._remember_head(key, data)
+        return kv, CopyState.VALID
 
     def _drop(self, key: str, rkey: str, data: bytes) -> None:
         """Delete ``rkey`` if it still holds ``data`` (another engine may have replaced it)."""
         sha1 = hashlib.sha1(data).hexdigest()
         self._run([rkey], lambda p, k: p.eval(_DELETE_IF_SAME, 1, k, sha1), 0)
+        self._forget_head(key)
         self._notify_evicted([key])
 
     def put(self, key: str, kv: SegmentKV) -> bool:
@@ -328,7 +261,44 @@ class RedisTier(Tier):
             data = self.auth.seal(key, data)
         # SET NX: the first writer wins; an existing entry (reply None) counts as stored.
         reply = self._run([rkey], lambda p, k: p.set(k, data, nx=True, px=self.ttl_ms), False)[0]
+        if reply is True:
+            self._count_stored(key)
+            self._remember_head(key, data)
         return reply is not False
+
+    # -- the shared copy of a segment served from elsewhere ------------------------------------
+
+    def check_copy(self, key: str, num_tokens: int | None = None) -> CopyState:
+        """Whether the value under ``key`` is still one this tier wrote or verified: its length
+        and first bytes (the tag over every byte, or the header holding the checksum) are
+        compared, one small read; when they differ, or none are remembered, the value is read
+        whole and verified, a bad one deleted (:attr:`CopyState.REFUSED`). A change inside the
+        entry that keeps both is left to the next engine that reads the value (it verifies
+        every byte, refuses and replaces it)."""
+        with self._heads_lock:
+            known = self._heads.get(key)
+        if known is not None:
+            length, size, digest = known
+            rkey = self._rkey(key)
+            reply = self._run([rkey], lambda p, k: p.eval(_LENGTH_AND_HEAD, 1, k, size), SKIPPED)
+            if reply[0] is SKIPPED:
+                return CopyState.UNKNOWN
+            now_length, head = reply[0]
+            if now_length == length and hashlib.sha1(head).digest() == digest:
+                return CopyState.SAME
+        return self._read(key, num_tokens)[1]
+
+    def _remember_head(self, key: str, data: bytes | memoryview) -> None:
+        head = bytes(data[: _head_size(data)])
+        with self._heads_lock:
+            self._heads[key] = (len(data), len(head), hashlib.sha1(head).digest())
+            self._heads.move_to_end(key)
+            while len(self._heads) > _MAX_KNOWN_HEADS:
+                self._heads.popitem(last=False)
+
+    def _forget_head(self, key: str) -> None:
+        with self._heads_lock:
+            self._heads.pop(key, None)
 
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
@@ -361,7 +331,7 @@ class RedisTier(Tier):
                         self._delete_each(node, batch)
                 if batch:
                     self._delete_each(node, batch)
-            except _UNREACHABLE as exc:
+            except UNREACHABLE as exc:
                 node.guard.failed(exc)
             except redis.exceptions.RedisError as exc:
                 node.warn("clear", "clear failed: %s", shorten(str(exc)))
@@ -384,8 +354,12 @@ class RedisTier(Tier):
         self._topology.close()
 
 
-class _Skipped:
-    """The reply of a command that was not sent (its server is down)."""
-
-
-_SKIPPED = _Skipped()
+def _head_size(data: bytes | memoryview) -> int:
+    """How many first bytes of a stored value tell it from another: up to the end of the
+    entry's header, which holds the checksum of its tensors (and, before it, a sealed value's
+    tag over every byte)."""
+    start = len(MAGIC) + TAG_BYTES if is_sealed(data) else 0
+    if len(data) < start + 8:
+        return len(data)
+    header = int.from_bytes(data[start : start + 8], "little")
+    return min(len(data), start + 8 + header)

@@ -113,8 +113,11 @@ class SegmentStore(ABC):
     """Key -> :class:`SegmentKV`. Implementations are thread-safe."""
 
     @abstractmethod
-    def get(self, key: str) -> SegmentKV | None:
-        """The entry for ``key``, or ``None`` on a miss."""
+    def get(self, key: str, num_tokens: int | None = None) -> SegmentKV | None:
+        """The entry for ``key``, or ``None`` on a miss.
+
+        ``num_tokens``: the segment's length, when the caller knows it; an entry of another
+        length is not the segment's (a damaged or forged value) and is refused."""
 
     @abstractmethod
     def put(self, key: str, kv: SegmentKV) -> bool:

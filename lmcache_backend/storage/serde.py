@@ -199,6 +199,7 @@ def decode(
     key: str,
     fingerprint: str | None,
     layout: ExpectedLayout | None = None,
+    num_tokens: int | None = None,
 ) -> SegmentKV:
     """Parse and verify one entry; returns CPU tensors ``[L, n, Hkv, D]``.
 
@@ -207,9 +208,12 @@ def decode(
         key: the key it was looked up under; the entry must name the same key.
         fingerprint: expected fingerprint hex digest; ``None`` skips the check.
         layout: expected model layout; ``None`` skips the check.
+        num_tokens: the segment's length ``n`` (the key is a digest of its tokens); ``None``
+            skips the check.
 
     Raises:
-        CorruptEntryError: truncated, altered, not this key, or not this model's layout.
+        CorruptEntryError: truncated, altered, not this key, not this model's layout, or not
+            the segment's length.
         FingerprintMismatchError: intact, but written for another fingerprint.
     """
     data_start, header = _parse_header(data)
@@ -244,6 +248,8 @@ def decode(
         why = layout.mismatch(tuple(shape), dtype)
         if why is not None:
             raise _corrupt(f"does not fit this model: {why}")
+    if num_tokens is not None and shape[1] != num_tokens:
+        raise _corrupt(f"holds {shape[1]} tokens, the segment has {num_tokens}")
     nbytes = shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize
     code = _ST_DTYPES[dtype]
     _check_tensor_entry(header, "keys", code, shape, 0, nbytes)

@@ -2,7 +2,11 @@
 
 * ``put`` writes through to every tier (each keeps the first entry stored under a key), so a
   tier can evict on its own without moving data down.
-* ``get`` asks the tiers in order; a hit in a slower tier is copied into every faster tier.
+* ``get`` asks the tiers in order; a hit in a slower tier is copied into every faster tier. A
+  value a tier refuses (it fails verification) is removed there, and the genuine value found in
+  a slower tier, or computed and stored next, takes its place. After a hit in a local tier the
+  shared tiers' copies are checked in the background
+  (:class:`~lmcache_backend.storage.shared_copy.SharedCopyCheck`).
 * Each tier evicts within its own capacity, by its policy (memory tiers: LRU or S3-FIFO, and
   optionally second-sight admission; disk: LRU), see :mod:`lmcache_backend.storage.policy`.
 * A :class:`~lmcache_backend.storage.index.SegmentIndex` (optional) mirrors which keys the local
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 
 from lmcache_backend.storage.index import SegmentIndex
 from lmcache_backend.storage.segments import SegmentKV, SegmentStore
+from lmcache_backend.storage.shared_copy import SharedCopyCheck
 from lmcache_backend.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
@@ -39,6 +44,7 @@ class TieredStore(SegmentStore):
         self.local_tiers = [t for t in self.tiers if not t.shared]
         self.remote_tiers = [t for t in self.tiers if t.shared]
         self.index = index
+        self.shared_copies = SharedCopyCheck(self.remote_tiers, self._local_value)
         self._stats_lock = threading.Lock()
         self._hits = {t.name: 0 for t in self.tiers}
         self._misses = 0
@@ -71,15 +77,17 @@ class TieredStore(SegmentStore):
 
     # -- SegmentStore ------------------------------------------------------------------------
 
-    def get(self, key: str) -> SegmentKV | None:
+    def get(self, key: str, num_tokens: int | None = None) -> SegmentKV | None:
         for i, tier in enumerate(self.tiers):
-            kv = tier.get(key)
+            kv = tier.get(key, num_tokens)
             if kv is None:
                 continue
             with self._stats_lock:
                 self._hits[tier.name] += 1
             if i > 0:
                 self._store_in(self.tiers[:i], key, kv)
+            if not tier.shared:
+                self.shared_copies.served_locally(key, num_tokens)
             return kv
         with self._stats_lock:
             self._misses += 1
@@ -87,6 +95,14 @@ class TieredStore(SegmentStore):
 
     def put(self, key: str, kv: SegmentKV) -> bool:
         return self._store_in(self.tiers, key, kv)
+
+    def _local_value(self, key: str, num_tokens: int | None) -> SegmentKV | None:
+        """``key``'s value in the first local tier that holds it (no promotion, no counting)."""
+        for tier in self.local_tiers:
+            kv = tier.get(key, num_tokens)
+            if kv is not None:
+                return kv
+        return None
 
     def _store_in(self, tiers: Sequence[Tier], key: str, kv: SegmentKV) -> bool:
         cpu_kv: SegmentKV | None = None
@@ -144,9 +160,11 @@ class TieredStore(SegmentStore):
     def stats(self) -> dict:
         """Hits per tier, misses, bytes held per tier, entries (``stored``) and their bytes
         (``stored_bytes``) written to each tier, entries that left each tier (``evicted``:
-        evicted, or removed as corrupted), and the values a shared tier refused for a missing or
-        wrong authentication tag (``rejected``), the new segments a tier's admission policy
-        did not store (``admission_skipped``), and per server of the shared tiers
+        evicted, or removed as refused), the values each tier refused because they failed
+        verification (``refused``: a missing or wrong authentication tag, a damaged or
+        truncated entry, another model's or another length's) and those a genuine value then
+        replaced (``replaced``), the new segments a tier's admission policy did not store
+        (``admission_skipped``), and per server of the shared tiers
         (``remote_nodes``: ``{"host:port": {"up", "outages", "reconnects", "refused"}}``).
         Counts are since the store was built."""
         nodes = {}
@@ -160,7 +178,8 @@ class TieredStore(SegmentStore):
                 "stored_bytes": dict(self._stored_bytes),
                 "evicted": dict(self._evicted),
                 "bytes": {t.name: t.nbytes for t in self.tiers},
-                "rejected": {t.name: t.rejected for t in self.tiers if hasattr(t, "rejected")},
+                "refused": {t.name: t.refused for t in self.tiers},
+                "replaced": {t.name: t.replaced for t in self.tiers},
                 "admission_skipped": {
                     t.name: t.admission_skipped
                     for t in self.tiers
@@ -171,6 +190,7 @@ class TieredStore(SegmentStore):
 
     def close(self) -> None:
         """Close connections and background threads of the tiers."""
+        self.shared_copies.close()
         for tier in self.tiers:
             tier.close()
 

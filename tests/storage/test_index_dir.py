@@ -201,3 +201,64 @@ def test_the_lookup_removes_the_folder_of_a_worker_killed_before_it(tmp_path) ->
     worker.wait(timeout=30)
     lookup.close(wait_s=2.0)
     assert not folder.exists()
+
+
+# A worker as vLLM's: it maps a shared-memory segment (vLLM's message queues), then keeps an
+# index in argv[1]'s default location; prints the segment's name and waits to be killed.
+_ENGINE = """
+import sys, time
+from multiprocessing import shared_memory
+from lmcache_backend.storage import FileSegmentIndex
+segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+segment.buf[:4] = b"used"
+FileSegmentIndex(sys.argv[1], default_location=True).add("@KEY@")
+print(segment.name, flush=True)
+time.sleep(600)
+""".replace("@KEY@", KEY)
+
+
+def test_a_crash_loop_leaves_only_the_last_engines_folder_and_segments(tmp_path) -> None:
+    """SIGKILL of the whole engine (its process group: the resource tracker that would unlink
+    the segment dies with it), restarted five times: each start removes what the killed one
+    left, its index folder and its shared-memory segments, and nothing that still runs."""
+    parent = tmp_path / "base" / "index"
+    left: list[tuple[str, str]] = []  # (index folder, segment) of each killed engine
+    for i in range(5):
+        folder = parent / f"vllm-{i}"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _ENGINE, str(folder)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        segment = proc.stdout.readline().strip()
+        assert segment.startswith("psm_") and os.path.exists(f"/dev/shm/{segment}")
+        for old_folder, old_segment in left:
+            assert not os.path.exists(old_folder), "the killed engine's folder"
+            assert not os.path.exists(f"/dev/shm/{old_segment}"), "the killed engine's segment"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        left.append((str(folder), segment))
+        assert os.path.exists(f"/dev/shm/{segment}"), "nothing unlinks it at the kill"
+    assert sorted(os.listdir(parent)) == ["vllm-4"], "only the last engine's, until a start"
+    FileSegmentIndex(parent / "next", default_location=True)
+    assert not os.path.exists(f"/dev/shm/{left[-1][1]}") and not os.path.exists(left[-1][0])
+
+
+def test_a_segment_a_running_process_maps_is_kept(tmp_path) -> None:
+    """A recorded segment that another running process still maps is not unlinked."""
+    from multiprocessing import shared_memory
+
+    from lmcache_backend.storage import shm_leftovers
+
+    segment = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        folder = tmp_path / "dead"
+        folder.mkdir()
+        (folder / shm_leftovers.RECORD_FILE).write_text(segment.name + "\n")
+        assert segment.name in shm_leftovers.mapped_segments()
+        assert shm_leftovers.remove_recorded(str(folder)) == []
+        assert os.path.exists(f"/dev/shm/{segment.name}")
+    finally:
+        segment.close()
+        segment.unlink()

@@ -218,14 +218,16 @@ def test_disk_tier_drops_corrupted_file(tmp_path, caplog, damage):
     damage(tier._path(key))
     with caplog.at_level(logging.WARNING, logger="lmcache_backend.storage"):
         assert tier.get(key) is None
-    assert len(warnings_with(caplog, "corrupted")) == 1
+    assert len(warnings_with(caplog, "refusing segment file")) == 1
     assert not os.path.exists(tier._path(key))
     assert not tier.contains(key) and tier.nbytes == 0
     assert tier.put(key, make_kv(key))  # a fresh copy can be stored again
     assert same(tier.get(key), make_kv(key))
 
 
-def test_disk_tier_fingerprint_mismatch_is_a_miss(tmp_path, caplog):
+def test_disk_tier_refuses_another_fingerprints_file_under_its_key(tmp_path, caplog):
+    """Keys are digests of the fingerprint: under this model's key another model's entry is a
+    misplaced file; it is refused and deleted so this model's own can be stored."""
     key = key_of(61)
     writer = _disk(tmp_path, fp=serde.fingerprint_hex(OTHER_FP))
     writer.put(key, make_kv(key))
@@ -233,7 +235,9 @@ def test_disk_tier_fingerprint_mismatch_is_a_miss(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="lmcache_backend.storage"):
         assert reader.get(key) is None
     assert warnings_with(caplog, "fingerprint")
-    assert writer.get(key) is not None  # intact entry of another model: not deleted
+    assert not os.path.exists(reader._path(key))
+    assert reader.put(key, make_kv(key)) and same(reader.get(key), make_kv(key))
+    assert (reader.refused, reader.replaced) == (1, 1)
 
 
 def test_disk_tier_full_disk_evicts_and_retries_once(tmp_path, caplog, monkeypatch):

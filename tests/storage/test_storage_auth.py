@@ -42,7 +42,7 @@ def test_sealed_values_round_trip_and_name_their_key(server) -> None:
     assert same(serde.decode(entry, key, FP_HEX, LAYOUT), make_kv(key))
     with pytest.raises(AuthenticationError):  # the tag binds the key: no moving entries
         EntryAuth(SECRET).open(key_of(2), raw)
-    assert same(tier.get(key), make_kv(key)) and tier.rejected == 0
+    assert same(tier.get(key), make_kv(key)) and tier.refused == 0
     tier.close()
 
 
@@ -64,11 +64,12 @@ def test_planted_value_with_a_bad_tag_is_never_loaded(server, caplog, tag) -> No
     client.set(redis_key(DEFAULT_PREFIX, key), planted)
     assert tier.contains(key)  # the scheduler's lookup may still claim it: advisory
     assert tier.get(key) is None
-    assert tier.rejected == 1
+    assert tier.refused == 1
     assert warnings_with(caplog, "refusing segment")
     # deleted, so that a genuine computation can be stored (SET NX keeps the first value)
     assert client.get(redis_key(DEFAULT_PREFIX, key)) is None
     assert tier.put(key, make_kv(key)) and same(tier.get(key), make_kv(key))
+    assert tier.replaced == 1
     tier.close()
 
 
@@ -79,7 +80,7 @@ def test_a_store_with_a_secret_counts_refusals_and_misses(server) -> None:
     server.client().set(redis_key(DEFAULT_PREFIX, key), _forged(key))
     assert store.get(key) is None
     stats = store.stats()
-    assert stats["rejected"] == {"redis": 1} and stats["misses"] == 1
+    assert stats["refused"] == {"cpu": 0, "redis": 1} and stats["misses"] == 1
     assert not cpu.contains(key), "a refused value is not copied into a faster tier"
     store.close()
 
@@ -92,7 +93,7 @@ def test_without_a_secret_sealed_values_are_not_used_and_plain_ones_are(server, 
     kept = server.client().get(redis_key(DEFAULT_PREFIX, key))
     assert kept is not None, "kept for engines with it"
     assert plain.put(key2, make_kv(key2)) and same(plain.get(key2), make_kv(key2))
-    assert sealed.get(key2) is None and sealed.rejected == 1
+    assert sealed.get(key2) is None and sealed.refused == 1
     sealed.close()
     plain.close()
 

@@ -83,18 +83,23 @@ def test_redis_tier_drops_corrupted_value(server, caplog, damage):
     client.set(rkey, damage(client.get(rkey)))
     with caplog.at_level(logging.WARNING, logger="lmcache_backend.storage"):
         assert tier.get(key) is None
-    assert len(warnings_with(caplog, "corrupted")) == 1
+    assert len(warnings_with(caplog, "refusing segment")) == 1
     assert client.exists(rkey) == 0
     assert tier.put(key, make_kv(key)) and same(tier.get(key), make_kv(key))
 
 
-def test_redis_tier_fingerprint_mismatch_is_a_miss(server, caplog):
+def test_redis_tier_refuses_another_fingerprints_value_under_its_key(server, caplog):
+    """Keys are digests of the fingerprint: under this model's key, another model's entry is a
+    misplaced value; it is refused and deleted so this model's own can be stored."""
     key = key_of(30)
     _tier(server.url, fp=OTHER_FP).put(key, make_kv(key))
+    tier = _tier(server.url)
     with caplog.at_level(logging.WARNING, logger="lmcache_backend.storage"):
-        assert _tier(server.url).get(key) is None
+        assert tier.get(key) is None
     assert warnings_with(caplog, "fingerprint")
-    assert server.client().exists(redis_key(DEFAULT_PREFIX, key)) == 1
+    assert server.client().exists(redis_key(DEFAULT_PREFIX, key)) == 0
+    assert tier.put(key, make_kv(key)) and same(tier.get(key), make_kv(key))
+    assert (tier.refused, tier.replaced) == (1, 1)
 
 
 def test_two_stores_share_segments_through_redis(server, tmp_path):

@@ -119,7 +119,19 @@ METRICS: dict[str, tuple[str, str | None, str]] = {
     "vllm:cacheblend_store_evictions": (
         COUNTER,
         "tier",
-        "Segments that left a store tier (evicted, or removed as corrupted), by tier.",
+        "Segments that left a store tier (evicted, or removed as refused), by tier.",
+    ),
+    "vllm:cacheblend_store_refused": (
+        COUNTER,
+        "tier",
+        "Values a store tier refused and removed because they failed verification (a missing "
+        "or wrong authentication tag, a damaged or truncated entry, another model's or another "
+        "length's), by tier.",
+    ),
+    "vllm:cacheblend_store_replaced": (
+        COUNTER,
+        "tier",
+        "Refused values a genuine one then replaced under the same key, by tier.",
     ),
     "vllm:cacheblend_store_admission_skipped": (
         COUNTER,

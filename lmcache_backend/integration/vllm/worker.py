@@ -302,6 +302,8 @@ class WorkerSide:
             ("stored", "vllm:cacheblend_store_stored"),
             ("stored_bytes", "vllm:cacheblend_store_stored_bytes"),
             ("evicted", "vllm:cacheblend_store_evictions"),
+            ("refused", "vllm:cacheblend_store_refused"),
+            ("replaced", "vllm:cacheblend_store_replaced"),
             ("admission_skipped", "vllm:cacheblend_store_admission_skipped"),
         ):
             for tier, value in store.get(key, {}).items():

@@ -31,6 +31,7 @@ import http_fuzz  # noqa: E402
 import httpx  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from redis_deployments import write_secret_file  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from test_vllm_server import embedded_model_or_skip, rag_client, start_server  # noqa: E402
 
@@ -70,10 +71,7 @@ def redis_url(request):
 
 @pytest.fixture(scope="module")
 def secret_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("secret") / "secret"
-    path.write_bytes(SECRET + b"\n")
-    path.chmod(0o600)
-    return str(path)
+    return write_secret_file(tmp_path_factory.mktemp("secret"), SECRET)
 
 
 @pytest.fixture(scope="module")
