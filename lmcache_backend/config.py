@@ -183,14 +183,20 @@ class BlendConfig:
 
     def replace(self, **changes: Any) -> BlendConfig:
         """A copy with ``changes`` applied (parsed and checked like keyword arguments)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
-        sources = dict(self.sources)
-        for key, raw in changes.items():
+        for key in changes:
             if key not in ENGINE:
                 raise TypeError(f"{key!r} is not a configuration key")
-            values[key] = ENGINE[key].value(raw, ARGUMENT)
-            sources[key] = ARGUMENT
-        return BlendConfig(**values, sources=sources, _parsed=True)
+        parsed = {key: ENGINE[key].value(raw, ARGUMENT) for key, raw in changes.items()}
+        return self.replace_parsed(parsed)
+
+    def replace_parsed(self, values: Mapping[str, Any]) -> BlendConfig:
+        """A copy with ``values`` applied that are their keys' parsers' results already (e.g.
+        from :func:`~lmcache_backend.settings.parse_given`): only the rules between keys are
+        checked again."""
+        merged = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
+        merged.update(values)
+        sources = {**self.sources, **dict.fromkeys(values, ARGUMENT)}
+        return BlendConfig(**merged, sources=sources, _parsed=True)
 
     def describe(self) -> str:
         """One line per key: ``name = value  (source)``; secrets are shown as ``<hidden>``."""

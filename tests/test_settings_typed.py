@@ -174,6 +174,13 @@ def test_a_loaded_value_is_parsed_once(monkeypatch) -> None:
     calls.clear()
     config.replace(blend_check_layers=[1, 2])
     assert calls == Counter(blend_check_layers=1)
+    calls.clear()  # a request's kv_transfer_params: parsed once, by the request's reader
+    from lmcache_backend.integration.vllm.settings import request_config
+
+    params = {"blend_recompute_ratios": "0.5", "blend_selection": "kv_deviation"}
+    out = request_config(config.replace(enable_blending=True), params, num_layers=4)
+    assert out is not None and out.blend_recompute_ratios == [0.5]
+    assert calls == Counter(enable_blending=1, blend_recompute_ratios=1, blend_selection=1)
 
 
 @pytest.mark.slow

@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     errors = run_mypy()
     new, gone = compare(errors, baseline)
     if args.shrink and gone:
-        write_baseline(baseline - gone)
-        print(f"typecheck: baseline shrunk by {sum(gone.values())} to {len(errors) - len(new)}")
+        baseline -= gone
+        write_baseline(baseline)
+        print(f"typecheck: baseline shrunk by {sum(gone.values())} to {sum(baseline.values())}")
         gone = Counter()
     for line in new:
         print(line)

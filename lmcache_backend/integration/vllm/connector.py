@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from lmcache_backend.compat.profile import VllmProfile
+
 logger = logging.getLogger(__name__)
 
 
@@ -66,7 +68,7 @@ def _route_logs_like_vllm() -> None:
     pkg.propagate = False
 
 
-def _resolve_auto_slicing(settings: ConnectorSettings, profile: Any) -> ConnectorSettings:
+def _resolve_auto_slicing(settings: ConnectorSettings, profile: VllmProfile) -> ConnectorSettings:
     """``blend_layers_per_step="auto"`` slices long claims only on the vLLM release whose
     asynchronous loads were checked; elsewhere every blend runs at once (logged)."""
     if not settings.slicing_auto:

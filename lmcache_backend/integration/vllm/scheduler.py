@@ -67,6 +67,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+    from lmcache_backend.compat.profile import VllmProfile
+
 logger = logging.getLogger(__name__)
 
 
@@ -94,7 +96,9 @@ class SchedulerSide:
     """The scheduler-side logic, free of vLLM imports at run time (requests are read by attribute;
     vLLM's types are named for type checkers only)."""
 
-    def __init__(self, settings: ConnectorSettings, fingerprint: ModelFingerprint, profile: Any):
+    def __init__(
+        self, settings: ConnectorSettings, fingerprint: ModelFingerprint, profile: VllmProfile
+    ):
         self.settings = settings
         self.fingerprint = fingerprint
         self.profile = profile

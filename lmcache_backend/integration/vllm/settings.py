@@ -219,7 +219,7 @@ def request_config(
     if not given:
         return config
     try:
-        out = config.replace(**parse_given(REQUEST, given, "kv_transfer_params"))
+        out = config.replace_parsed(parse_given(REQUEST, given, "kv_transfer_params"))
         if num_layers is not None:
             out.validate_for_model(num_layers)
         return out

@@ -49,6 +49,8 @@ from lmcache_backend.storage import create_store
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from lmcache_backend.compat.profile import VllmProfile
+
 logger = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -61,7 +63,7 @@ class WorkerSide:
         self,
         settings: ConnectorSettings,
         vllm_config: VllmConfig,
-        profile: Any,
+        profile: VllmProfile,
         platform: str | None = None,
     ) -> None:
         """``platform``: whose cache layout to expect (``"cuda"``, ``"npu"``, ``"cpu"``);
