@@ -1,6 +1,8 @@
 # make demo   create .venv if needed, install, start vLLM's OpenAI server with the connector on the
 #             embedded model and send RAG chats: CacheBlend vs full prefill (TTFT, answers)
-# make test   create .venv if needed, install, lint and run the test suite (CPU)
+# make test   create .venv if needed, install, lint, type-check and run the test suite (CPU)
+# make typecheck  mypy over the package against tools/typecheck-baseline.txt (new errors fail;
+#                 fixed ones ask to shrink it: python tools/typecheck.py --shrink)
 # make bench  create .venv if needed, install, run the benchmarks
 # make bench-load  concurrent streaming RAG chats against one server: full prefill, vLLM's prefix
 #                  caching and CacheBlend, 1,000 requests each (about 30 min on 2 cores)
@@ -21,7 +23,7 @@ STAMP := $(VENV)/.lmcache-backend-installed
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test bench bench-load lint install clean gpu-check gpu-check-offline npu-check \
+.PHONY: demo test bench bench-load lint typecheck install clean gpu-check gpu-check-offline npu-check \
 	hardware-dry-run
 
 # The newest vLLM release with a code path here (lmcache_backend/compat/vllm.py); another one:
@@ -74,7 +76,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: $(STAMP) lint
+# About 5 s with its cache (.cache/mypy), about a minute without.
+typecheck: $(STAMP)
+	$(PY) tools/typecheck.py
+
+test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q
 
 # Built-in set (12 prompts, 3 timed rounds) plus the TTFT sweep; ~12 min on 2 idle cores.
@@ -129,4 +135,4 @@ hardware-dry-run: $(STAMP)
 	$(PY) -m lmcache_backend hardware-check --device cuda --dry-run
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .cache/mypy

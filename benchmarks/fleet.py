@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -41,6 +41,14 @@ from lmcache_backend.bench.dataset import WARM_QUESTION  # noqa: E402
 from lmcache_backend.blend.segmenting import chat_messages  # noqa: E402
 from lmcache_backend.data.examples import load_examples, reordered  # noqa: E402
 from lmcache_backend.demos.server_process import ServerProcess, metric_total  # noqa: E402
+from lmcache_backend.settings.writer import (  # noqa: E402
+    STARTED_KV_CACHE_GIB,
+    Variables,
+    child_env,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 DEV = Path(__file__).resolve().parent.parent / "lmcache_backend" / "data" / "devset.jsonl"
 
@@ -66,11 +74,11 @@ def _chat(server: ServerProcess, messages, params=None, salt=None) -> dict[str, 
     return out
 
 
-def _engine(url: str, folder: Path, name: str, **env: str) -> ServerProcess:
+def _engine(url: str, folder: Path, name: str, **more: Unpack[Variables]) -> ServerProcess:
     server = ServerProcess(
         # eager: what is measured here is reuse, not speed, and compiling costs minutes a start
         ["--enable-prefix-caching", "--max-model-len", "4096", "--enforce-eager"],
-        env={"LMCACHE_REMOTE_URL": url, **env},
+        variables={"remote_url": url, **more},
         stats_file=folder / f"{name}.jsonl",
         log_path=folder / f"{name}.log",
     )
@@ -118,7 +126,7 @@ def _sentinel_failover(examples) -> dict[str, Any]:
         sentinels = SentinelSet(Path(tmp) / "sentinel")
         sentinels.start()
         try:
-            c = _engine(sentinels.url, Path(tmp), "C", LMCACHE_LOCAL_CPU="false")
+            c = _engine(sentinels.url, Path(tmp), "C", local_cpu=False)
             try:
                 for ex in examples:
                     assert (
@@ -186,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
                 a.stop()
             corpus = folder / "corpus.jsonl"
             corpus.write_text("".join(json.dumps({"chunks": e.chunks}) + "\n" for e in ingested))
-            import os
             import subprocess
 
-            env = {**os.environ, "LMCACHE_REMOTE_URL": cluster.node_url(2)}
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            env = child_env(
+                defaults={"vllm_cpu_kvcache_space": STARTED_KV_CACHE_GIB},
+                remote_url=cluster.node_url(2),
+            )
             started = time.perf_counter()
             proc = subprocess.run(
                 [sys.executable, "-m", "lmcache_backend", "ingest", str(corpus), "--no-progress"],

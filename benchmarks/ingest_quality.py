@@ -38,6 +38,8 @@ from lmcache_backend.bench.metrics import answer_correct, answers_agree, kl_dive
 from lmcache_backend.blend.segmenting import build_blend_prompt
 from lmcache_backend.data.embedded import resolve_model
 from lmcache_backend.data.examples import reordered
+from lmcache_backend.settings.arguments import setting_type
+from lmcache_backend.settings.writer import STARTED_ENGINE, export
 
 FILLINGS = ("request", "ingest")
 
@@ -62,7 +64,12 @@ def _run(llm, ids, params, salt, vocab: int) -> tuple[torch.Tensor, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=None, help="first N dev examples (all)")
-    parser.add_argument("--ratio", type=float, default=0.2, help="the blend's ratio (0.2)")
+    parser.add_argument(
+        "--ratio",
+        type=setting_type("blend_recompute_ratios", "item"),
+        default=0.2,
+        help="the blend's ratio (0.2)",
+    )
     parser.add_argument("--json", help="write every number here")
     parser.add_argument(
         "--eager", action="store_true", help="vLLM without compilation (starts in ~1 min)"
@@ -72,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lmcache_backend.integration.vllm.offline import offline_engine, read_records
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ["LMCACHE_ENABLE_BLENDING"] = "true"
+    export(defaults=STARTED_ENGINE, enable_blending=True)
     model = resolve_model(None)
     tokenizer = AutoTokenizer.from_pretrained(model)
     examples = load_dataset("dev")[: args.limit]

@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     # Two cores fight over more threads than they have (runs got ~20x slower); cap by default.
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    from lmcache_backend.settings.writer import export
+
+    export(defaults={"omp_num_threads": os.cpu_count() or 1})
     try:
         return args.func(args)
     except Exception as exc:  # a user's mistake: one line; anything else: its traceback

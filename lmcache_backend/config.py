@@ -11,14 +11,16 @@
 4. keyword arguments to :func:`load_config` (e.g. vLLM's ``kv_connector_extra_config``).
 
 Values are parsed once and checked; an error names the key, where it came from, the value and
-what is accepted.
+what is accepted. The fields of :class:`BlendConfig` are generated from the registry
+(:mod:`lmcache_backend.settings.codegen`): after adding a key, ``lmcache-backend config --docs``
+writes its field.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import field, fields, make_dataclass
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
 from lmcache_backend.settings import (  # noqa: F401 - public names, re-exported
@@ -32,7 +34,7 @@ from lmcache_backend.settings import (  # noqa: F401 - public names, re-exported
     SELECTION_CHOICES,
     ConfigError,
     Setting,
-    dataclass_fields,
+    setting_field,
 )
 from lmcache_backend.settings.sources import ARGUMENT, engine_values
 
@@ -42,14 +44,77 @@ logger = logging.getLogger(__name__)
 CONFIG_KEYS: tuple[Setting, ...] = tuple(ENGINE.values())
 
 
-class _BlendConfigMethods:
-    """What :class:`BlendConfig` does besides holding the engine keys' values."""
+@dataclass(frozen=True)
+class BlendConfig:
+    """Validated CacheBlend settings, one field per engine key (README's configuration table).
+    Build with :func:`load_config`; built directly, each value is checked by its key's parser.
+    """
 
-    def __post_init__(self) -> None:
-        # every value is checked by its key's parser (a parsed value parses to itself), so a
-        # BlendConfig built directly is held to the same rules as a loaded one
-        for name, setting in ENGINE.items():
-            object.__setattr__(self, name, setting.value(getattr(self, name), self._where(name)))
+    # <settings-fields: dataclass engine>
+    #: master switch for CacheBlend
+    enable_blending: bool = setting_field(ENGINE["enable_blending"])
+    #: separator string between segments
+    blend_special_str: str = setting_field(ENGINE["blend_special_str"])
+    #: how prompts are cut into cached units
+    blend_segmentation: str = setting_field(ENGINE["blend_segmentation"])
+    #: tokens per block of separator-free reuse
+    blend_block_size: int = setting_field(ENGINE["blend_block_size"])
+    #: share of the reusable tokens recomputed: one value, or one per check layer
+    blend_recompute_ratios: list[float] = setting_field(ENGINE["blend_recompute_ratios"])
+    #: layers where the check-layer selections choose tokens
+    blend_check_layers: list[int] = setting_field(ENGINE["blend_check_layers"])
+    #: how the recomputed tokens are chosen
+    blend_selection: str = setting_field(ENGINE["blend_selection"])
+    #: preview selections recompute more tokens, up to `blend_max_recompute_ratio`, until the
+    #: recomputed ones hold this share of what the question reads of the reused text
+    blend_min_read_share: float = setting_field(ENGINE["blend_min_read_share"])
+    #: the largest share of the reusable tokens that `blend_min_read_share` may recompute
+    blend_max_recompute_ratio: float = setting_field(ENGINE["blend_max_recompute_ratio"])
+    #: preview selections divide a token's score by 1 + d * position / prompt length
+    blend_position_discount: float = setting_field(ENGINE["blend_position_discount"])
+    #: preview selections recompute aligned spans of this many consecutive tokens
+    blend_selection_span: int = setting_field(ENGINE["blend_selection_span"])
+    #: preview selections recompute the first this many tokens of every reused chunk first
+    blend_chunk_head_tokens: int = setting_field(ENGINE["blend_chunk_head_tokens"])
+    #: preview selections score the reads of the layers from this share of the depth on
+    blend_preview_scored_from: float = setting_field(ENGINE["blend_preview_scored_from"])
+    #: which layers' reads the preview selections score
+    blend_preview_scored_layers: str = setting_field(ENGINE["blend_preview_scored_layers"])
+    #: fewer reusable tokens than this: the prompt is prefilled as usual (logged)
+    blend_min_tokens: int = setting_field(ENGINE["blend_min_tokens"])
+    #: a prompt whose predicted blend costs more than this share of a full prefill's token-layers is
+    #: prefilled as usual
+    blend_max_cost: float = setting_field(ENGINE["blend_max_cost"])
+    #: op backend
+    backend: str = setting_field(ENGINE["backend"])
+    #: LMCache's key; CacheBlend always runs layer by layer (false is logged and ignored)
+    use_layerwise: bool = setting_field(ENGINE["use_layerwise"])
+    #: keep segments in CPU memory
+    local_cpu: bool = setting_field(ENGINE["local_cpu"])
+    #: CPU tier capacity, GB (2^30 bytes)
+    max_local_cpu_size: float = setting_field(ENGINE["max_local_cpu_size"])
+    #: folder of the disk tier (one safetensors file per segment); `file:///path` works
+    local_disk: str | None = setting_field(ENGINE["local_disk"])
+    #: disk tier capacity, GB; the disk tier is on only when this is > 0
+    max_local_disk_size: float = setting_field(ENGINE["max_local_disk_size"])
+    #: shared Redis tier: one server, a Redis Cluster or Sentinel
+    remote_url: str | None = setting_field(ENGINE["remote_url"])
+    #: further settings (a JSON object): the store's keys below, LMCache's own
+    extra_config: dict[str, Any] = setting_field(ENGINE["extra_config"])
+    # </settings-fields>
+    #: key -> where its value came from ("default", a file path, "LMCACHE_X", "argument")
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    #: the values are their parsers' results already (:func:`load_config`, :meth:`replace`):
+    #: only the rules between keys are checked
+    _parsed: InitVar[bool] = False
+
+    def __post_init__(self, _parsed: bool) -> None:
+        if not _parsed:
+            # every value is checked by its key's parser (a parsed value parses to itself), so
+            # a BlendConfig built directly is held to the same rules as a loaded one
+            for name, setting in ENGINE.items():
+                value = setting.value(getattr(self, name), self._where(name))
+                object.__setattr__(self, name, value)
         self._check_together()
 
     def _where(self, key: str) -> str:
@@ -95,7 +160,18 @@ class _BlendConfigMethods:
         return self.check_schedule()[-1][1]
 
     def validate_for_model(self, num_layers: int) -> None:
-        """Raise :class:`ConfigError` if a check layer is beyond a model of ``num_layers``."""
+        """Raise :class:`ConfigError` if a check layer is beyond a model of ``num_layers``.
+
+        Checked once per configuration and model: the engine, the connector and the blender
+        each ask (whichever builds first reports the error), the later ones are answered by the
+        first check.
+        """
+        if self.__dict__.get("_fits_layers") == num_layers:
+            return
+        self._check_layers(num_layers)
+        object.__setattr__(self, "_fits_layers", num_layers)
+
+    def _check_layers(self, num_layers: int) -> None:
         for layer in self.blend_check_layers:
             if layer >= num_layers:
                 raise self._fail(
@@ -107,14 +183,20 @@ class _BlendConfigMethods:
 
     def replace(self, **changes: Any) -> BlendConfig:
         """A copy with ``changes`` applied (parsed and checked like keyword arguments)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
-        sources = dict(self.sources)
-        for key, raw in changes.items():
+        for key in changes:
             if key not in ENGINE:
                 raise TypeError(f"{key!r} is not a configuration key")
-            values[key] = ENGINE[key].value(raw, ARGUMENT)
-            sources[key] = ARGUMENT
-        return BlendConfig(**values, sources=sources)
+        parsed = {key: ENGINE[key].value(raw, ARGUMENT) for key, raw in changes.items()}
+        return self.replace_parsed(parsed)
+
+    def replace_parsed(self, values: Mapping[str, Any]) -> BlendConfig:
+        """A copy with ``values`` applied that are their keys' parsers' results already (e.g.
+        from :func:`~lmcache_backend.settings.parse_given`): only the rules between keys are
+        checked again."""
+        merged = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
+        merged.update(values)
+        sources = {**self.sources, **dict.fromkeys(values, ARGUMENT)}
+        return BlendConfig(**merged, sources=sources, _parsed=True)
 
     def describe(self) -> str:
         """One line per key: ``name = value  (source)``; secrets are shown as ``<hidden>``."""
@@ -123,23 +205,6 @@ class _BlendConfigMethods:
             f"({self.sources.get(name, 'default')})"
             for name, setting in ENGINE.items()
         )
-
-
-BlendConfig = make_dataclass(
-    "BlendConfig",
-    [
-        *dataclass_fields(ENGINE),
-        # key -> where its value came from ("default", a file path, "LMCACHE_X", "argument")
-        ("sources", dict, field(default_factory=dict, compare=False, repr=False)),
-    ],
-    bases=(_BlendConfigMethods,),
-    frozen=True,
-    namespace={
-        "__module__": __name__,
-        "__doc__": "Validated CacheBlend settings, one field per engine key (README's "
-        "configuration table). Build with :func:`load_config`.",
-    },
-)
 
 
 def load_config(
@@ -160,4 +225,4 @@ def load_config(
             where the value came from and the value).
     """
     values, sources = engine_values(config_file, env, overrides)
-    return BlendConfig(**values, sources=sources)
+    return BlendConfig(**values, sources=sources, _parsed=True)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from lmcache_backend.settings.arguments import setting_type
+from lmcache_backend.settings.writer import STARTED_KV_CACHE_GIB, export
 
 
 def _run_dtype(model: str, dtype: str, args: argparse.Namespace) -> dict:
@@ -100,14 +102,14 @@ def main() -> None:
     parser.add_argument("--dataset", default="dev", help="dev (default), builtin or a JSONL file")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--ratio", type=float, default=1.0)
+    parser.add_argument("--ratio", type=setting_type("blend_recompute_ratios", "item"), default=1.0)
     parser.add_argument(
         "--against-prefix-cache",
         action="store_true",
         help="vLLM against itself: a prefix-cache hit vs a cold prefill (no blending)",
     )
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    export(defaults={"vllm_cpu_kvcache_space": STARTED_KV_CACHE_GIB})
     model = args.model
     if model is None:
         from lmcache_backend.data.embedded import embedded_model_path

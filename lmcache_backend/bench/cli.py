@@ -16,15 +16,11 @@ from lmcache_backend.bench.engine_choice import ENGINE_CHOICES, EngineUnavailabl
 from lmcache_backend.bench.engines import BenchEngine
 from lmcache_backend.bench.report import LEGEND, case_dicts, format_sweep, format_table, summarize
 from lmcache_backend.bench.runner import SweepPoint, run_examples, run_sweep, steps_per_case
-from lmcache_backend.bench.strategies import (
-    Strategy,
-    build_strategies,
-    parse_floats,
-    parse_ints,
-    parse_schedule,
-)
+from lmcache_backend.bench.strategies import Strategy, build_strategies, parse_ints, parse_schedule
 from lmcache_backend.blend.segmenting import PROMPT_SHAPES
+from lmcache_backend.config import SELECTION_CHOICES, BlendConfig, ConfigError
 from lmcache_backend.data.examples import DatasetError
+from lmcache_backend.settings.arguments import parse_option, setting_type
 
 
 def _arg(parse):
@@ -40,32 +36,10 @@ def _arg(parse):
     return convert
 
 
-def _ratios(text: str) -> list[float]:
-    values = parse_floats(text)
-    bad = [v for v in values if not 0.0 <= v <= 1.0]
-    if bad:
-        raise ValueError(f"ratios must be in [0, 1], got {bad}")
-    return values
-
-
-def _shares(text: str) -> list[float]:
-    values = parse_floats(text)
-    bad = [v for v in values if not 0.0 <= v < 1.0]
-    if bad:
-        raise ValueError(f"read shares must be in [0, 1), got {bad}")
-    return values
-
-
 def _selections(text: str) -> list[str]:
-    from lmcache_backend.config import SELECTION_CHOICES
-
     if text.strip() == "all":
         return list(SELECTION_CHOICES)
-    names = [item.strip() for item in text.split(",") if item.strip()]
-    bad = [n for n in names if n not in SELECTION_CHOICES]
-    if bad or not names:
-        raise ValueError(f"unknown selection {bad}; choose from {', '.join(SELECTION_CHOICES)}")
-    return names
+    return parse_option("blend_selection", text, "list")
 
 
 def _schedule(text: str):
@@ -113,13 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ratios",
-        type=_arg(_ratios),
+        type=setting_type("blend_recompute_ratios"),
         default=[0.05, 0.15, 0.3],
         help="CacheBlend ratios, one strategy each (default: 0.05,0.15,0.3)",
     )
     parser.add_argument(
         "--check-layers",
-        type=_arg(parse_ints),
+        type=setting_type("blend_check_layers"),
         default=[1],
         help="check layers of those strategies; one ratio applies at each (default: 1)",
     )
@@ -132,14 +106,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--read-shares",
-        type=_arg(_shares),
+        type=setting_type("blend_min_read_share", "list"),
         default=[],
         help="the fidelity knob (blend_min_read_share) on top of each ratio, one strategy per "
         "value, e.g. 0.6,0.8 (default: none)",
     )
     parser.add_argument(
         "--oracle-ratios",
-        type=_arg(_ratios),
+        type=setting_type("blend_recompute_ratios"),
         default=[],
         help="HF engine: recompute this share of the reusable tokens chosen by their true K/V "
         "deviation from full prefill (a bound on selection rules), one strategy each",
@@ -251,14 +225,14 @@ def sweep_points(tokens: list[int], chunks: list[int]) -> tuple[list[SweepPoint]
 
 
 def _validate(args: argparse.Namespace, num_layers: int) -> None:
-    layers = list(args.check_layers) + [
-        layer for s in (args.gradual or []) if s is not None for layer in s[0]
-    ]
-    bad = [layer for layer in layers if not 0 <= layer < num_layers]
-    if bad:
-        raise SystemExit(
-            f"bench: check layers {bad} do not exist (the model has layers 0..{num_layers - 1})"
-        )
+    schedules = [("--check-layers", args.check_layers)]
+    schedules += [("--gradual", s[0]) for s in (args.gradual or []) if s is not None]
+    for flag, layers in schedules:  # each must exist in the model: the configuration's rule
+        config = BlendConfig(blend_check_layers=list(layers), sources={"blend_check_layers": flag})
+        try:
+            config.validate_for_model(num_layers)
+        except ConfigError as exc:
+            raise SystemExit(f"bench: {exc}") from None
     if args.repeats < 0:
         raise SystemExit("bench: --repeats must be >= 0 (0: quality only)")
     if args.sweep_repeats < 1:

@@ -21,11 +21,16 @@ import os
 import statistics
 import time
 
+from lmcache_backend.settings.arguments import setting_type
+from lmcache_backend.settings.writer import STARTED_ENGINE, export
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2000, help="size of the blended prompt")
-    parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument(
+        "--ratio", type=setting_type("blend_recompute_ratios", "item"), default=0.15
+    )
     parser.add_argument("--stream-tokens", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
@@ -36,13 +41,12 @@ def main(argv: list[str] | None = None) -> None:
         "(the default: blends longer than one vLLM step are sliced)",
     )
     args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
+    export(defaults=STARTED_ENGINE)
 
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from lmcache_backend.bench.profile import _prompts
+    from lmcache_backend.bench.profile import sized_prompts
     from lmcache_backend.config import load_config
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.integration.vllm.offline import generate_one, offline_engine
@@ -55,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         enforce_eager=args.eager,
     )
     engine = llm.llm_engine
-    warm, asked = _prompts(tok, args.tokens, 2 * args.repeats + 1, load_config().blend_special_str)
+    separator = load_config().blend_special_str
+    warm, asked = sized_prompts(tok, args.tokens, 2 * args.repeats + 1, separator)
     generate_one(llm, warm, 1, {})  # stores the chunks
     stream_ids = tok.encode("Write a long story about a lighthouse keeper and the sea.")
     counter = iter(range(10**6))

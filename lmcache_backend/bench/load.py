@@ -37,6 +37,7 @@ from lmcache_backend.bench import load_ingest, load_stats
 from lmcache_backend.bench.client_common import FULL_PREFILL_PARAMS
 from lmcache_backend.bench.load_driver import PhaseSpec, run_phase
 from lmcache_backend.bench.load_workload import build_requests, corpus
+from lmcache_backend.settings.writer import variable, variables
 
 PHASES = {
     "full": PhaseSpec("full prefill", params=FULL_PREFILL_PARAMS, unique_salt=True),
@@ -182,11 +183,11 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
     _check(args)
     names = _phases(args.phases)
     env = dict(item.split("=", 1) for item in args.server_env)
-    if not args.url and args.store_share > 0 and "LMCACHE_MAX_LOCAL_CPU_SIZE" not in env:
+    if not args.url and args.store_share > 0 and variable("max_local_cpu_size") not in env:
         size = store_size_gb(corpus(args.corpus_chunks, seed=args.seed * 100), args.store_share)
-        env["LMCACHE_MAX_LOCAL_CPU_SIZE"] = f"{size:.4f}"
+        env.update(variables({"max_local_cpu_size": round(size, 4)}))
         print(
-            f"store: LMCACHE_MAX_LOCAL_CPU_SIZE={size:.4f} ({args.store_share:.0%} of a "
+            f"store: {variable('max_local_cpu_size')}={size:.4f} ({args.store_share:.0%} of a "
             f"phase's corpus)",
             file=out,
         )
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace, out=None) -> dict[str, Any]:
                     "bench: the ingested phase writes into the server's shared tier: give it as "
                     f"--server-env {load_ingest.REMOTE_URL}=..."
                 )
-            env[load_ingest.REMOTE_URL] = stack.enter_context(load_ingest.local_redis())
+            env.update(variables({"remote_url": stack.enter_context(load_ingest.local_redis())}))
             print(f"shared tier: {env[load_ingest.REMOTE_URL]} (a local redis-server)", file=out)
         # a server started here is started after the ingestion: one engine at a time (an
         # ingest engine beside a running server shares its cores); a given one is already up

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_backend.bench.load_workload import STOCK_SYSTEM
+from lmcache_backend.settings.writer import STARTED_KV_CACHE_GIB, child_env, variable
 
 #: how a load request holds a chunk (``LoadRequest.messages``): ingested in that prompt
 TEMPLATE = {
@@ -33,7 +34,7 @@ TEMPLATE = {
         {"role": "user", "content": "{question}"},
     ]
 }
-REMOTE_URL = "LMCACHE_REMOTE_URL"
+REMOTE_URL = variable("remote_url")
 
 
 def redis_server_binary() -> str:
@@ -103,9 +104,9 @@ def pre_encode(chunks: list[str], env: dict[str, str], model: str | None, out) -
                    "--template", str(template), "--no-progress"]  # fmt: skip
         command += ["--model", model] if model else []
         # one chunk a prompt: a small KV cache does (and leaves memory to a running server)
-        child_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **env}
+        child = child_env({**os.environ, **env}, {"vllm_cpu_kvcache_space": STARTED_KV_CACHE_GIB})
         started = time.perf_counter()
-        proc = subprocess.run(command, env=child_env, capture_output=True, text=True, check=False)
+        proc = subprocess.run(command, env=child, capture_output=True, text=True, check=False)
         seconds = time.perf_counter() - started
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
     if proc.returncode != 0:

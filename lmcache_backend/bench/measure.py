@@ -31,13 +31,17 @@ import statistics
 import time
 
 from lmcache_backend.settings import read_variable
+from lmcache_backend.settings.arguments import setting_type
+from lmcache_backend.settings.writer import STARTED_ENGINE, export
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--chunk-repeat", type=int, default=3)
-    parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument(
+        "--ratio", type=setting_type("blend_recompute_ratios", "item"), default=0.15
+    )
     parser.add_argument("--examples", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -50,10 +54,11 @@ def main() -> None:
     cores = args.cores or read_variable("VLLM_CPU_OMP_THREADS_BIND")
     if not cores:
         cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
-    os.environ["LMCACHE_BLEND_RECOMPUTE_RATIOS"] = str(args.ratio)
+    export(
+        defaults=STARTED_ENGINE,
+        vllm_cpu_omp_threads_bind=cores,
+        blend_recompute_ratios=[args.ratio],
+    )
 
     from transformers import AutoTokenizer
 

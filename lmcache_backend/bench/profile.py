@@ -33,6 +33,8 @@ import tempfile
 import time
 
 from lmcache_backend.blend.segmenting import PROMPT_SHAPES
+from lmcache_backend.settings.arguments import setting_type
+from lmcache_backend.settings.writer import STARTED_ENGINE, export
 
 #: the blend path's phases, in the order they run (``BlendRecord.phases_ms`` keys)
 PHASES = (
@@ -57,7 +59,7 @@ PHASES = (
 )
 
 
-def _prompts(tok, size: int, rounds: int, separator: str, shape: str = "separator"):
+def sized_prompts(tok, size: int, rounds: int, separator: str, shape: str = "separator"):
     """The warm-up prompt and ``rounds`` reordered prompts with new questions, about ``size``
     tokens of ``tok``: 6 profiles a thousand tokens up to 12 chunks, each chunk repeating its
     profile as often as the size needs beyond that.
@@ -95,7 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="1000,2000,4000", help="prompt sizes in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per size")
     parser.add_argument(
-        "--ratios", default="0.15,0.3", help="CacheBlend ratios (the first one is profiled)"
+        "--ratios",
+        type=setting_type("blend_recompute_ratios"),
+        default=[0.15, 0.3],
+        help="CacheBlend ratios (the first one is profiled)",
     )
     parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
     parser.add_argument(
@@ -124,11 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.ops:  # the worker in this process, where the profiler can see it
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        export(vllm_enable_v1_multiprocessing=False)
     sizes = [int(s) for s in args.sizes.split(",")]
-    ratios = [float(r) for r in args.ratios.split(",")]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
+    ratios = args.ratios
+    export(defaults=STARTED_ENGINE)
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     layers = int(AutoConfig.from_pretrained(path).num_hidden_layers)
     separator = load_config().blend_special_str
-    prompts = {size: _prompts(tok, size, args.repeats + 1, separator, shape) for size in sizes}
+    prompts = {size: sized_prompts(tok, size, args.repeats + 1, separator, shape) for size in sizes}
     longest = max(len(p) for warm, asked in prompts.values() for p in [warm, *asked])
     stats = os.path.join(tempfile.mkdtemp(prefix="lmcache-profile-"), "stats.jsonl")
     llm = offline_engine(

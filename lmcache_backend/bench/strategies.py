@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lmcache_backend.config import BlendConfig
+
 FULL, PREFIX, BLEND, EPIC, ORACLE = "full", "prefix", "blend", "epic", "oracle"
 
 
@@ -48,11 +50,6 @@ class Strategy:
         return self.ratios[-1] if self.kind == BLEND and self.ratios else None
 
 
-def parse_floats(text: str) -> list[float]:
-    """``"0.05,0.15"`` -> ``[0.05, 0.15]``; raises ValueError naming the bad item."""
-    return [_number(item, float) for item in _items(text)]
-
-
 def parse_ints(text: str) -> list[int]:
     """``"1,2"`` -> ``[1, 2]``; raises ValueError naming the bad item."""
     return [_number(item, int) for item in _items(text)]
@@ -73,14 +70,18 @@ def _number(item: str, kind: type):
 
 
 def parse_schedule(text: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """``"1,2:0.3,0.15"`` -> check layers ``(1, 2)`` and ratios ``(0.3, 0.15)``."""
+    """``"1,2:0.3,0.15"`` -> check layers ``(1, 2)`` and ratios ``(0.3, 0.15)``, parsed and
+    checked as the configuration's ``blend_check_layers`` and ``blend_recompute_ratios`` are
+    (a :class:`~lmcache_backend.config.ConfigError`, a ``ValueError``, naming the key)."""
     if text.count(":") != 1:
         raise ValueError(f"expected LAYERS:RATIOS such as 1,2:0.3,0.15, got {text!r}")
-    layers_text, ratios_text = text.split(":")
-    layers, ratios = tuple(parse_ints(layers_text)), tuple(parse_floats(ratios_text))
-    if len(ratios) not in (1, len(layers)):
-        raise ValueError(f"{text!r}: give one ratio or one per check layer ({len(layers)} layers)")
-    return layers, ratios
+    layers, ratios = text.split(":")
+    config = BlendConfig(
+        blend_check_layers=layers,
+        blend_recompute_ratios=ratios,
+        sources=dict.fromkeys(("blend_check_layers", "blend_recompute_ratios"), "--gradual"),
+    )
+    return tuple(config.blend_check_layers), tuple(config.blend_recompute_ratios)
 
 
 def _fmt(values: Sequence[float | int]) -> str:

@@ -41,9 +41,9 @@ class VLLMEngine:
         from lmcache_backend.bench.forced_answer import FQCN as FORCED_ANSWER
         from lmcache_backend.config import load_config
         from lmcache_backend.integration.vllm.offline import offline_engine
+        from lmcache_backend.settings.writer import STARTED_ENGINE, export
 
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
+        export(defaults=STARTED_ENGINE)
         self.config = load_config()
         self._stats = os.path.join(tempfile.mkdtemp(prefix="lmcache-bench-"), "stats.jsonl")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

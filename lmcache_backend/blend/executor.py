@@ -19,6 +19,7 @@ import torch
 from lmcache_backend.blend.interfaces import BlendExecutor, BlendOutput
 from lmcache_backend.ops import Ops, get_ops
 from lmcache_backend.ops.reference import select_topk_with_invalid, selection_count, token_deviation
+from lmcache_backend.settings import ENGINE
 
 PositionalEncoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
@@ -57,8 +58,8 @@ class CacheBlendImpl(BlendExecutor):
         is_neox: bool = True,
         ops: Ops | None = None,
     ) -> None:
-        if not 0.0 <= recompute_ratio <= 1.0:
-            raise ValueError(f"recompute_ratio = {recompute_ratio!r}: must be within [0, 1]")
+        # the range of a recompute ratio is the registry's (a ConfigError, a ValueError)
+        ENGINE["blend_recompute_ratios"].value([recompute_ratio], "recompute_ratio")
         self.recompute_ratio = recompute_ratio
         self.check_layers = tuple(check_layers)
         self.head_dim = head_dim

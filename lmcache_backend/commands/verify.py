@@ -124,10 +124,11 @@ def verify_vllm(
 
     from lmcache_backend.config import load_config
     from lmcache_backend.integration.vllm.offline import generate_one, offline_engine, read_records
+    from lmcache_backend.settings.writer import STARTED_KV_CACHE_GIB, export
 
     # vLLM's CPU backend otherwise reserves a share of all memory for its KV cache (and refuses
     # to start when less is free); a check needs little
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    export(defaults={"vllm_cpu_kvcache_space": STARTED_KV_CACHE_GIB})
     torch_dtype = getattr(torch, dtype)
     config = load_config(enable_blending=True)
     tok = AutoTokenizer.from_pretrained(model_path)
@@ -150,7 +151,7 @@ def verify_vllm(
     }
     # The re-rotation check runs a function of this module in the worker (collective_rpc),
     # which vLLM sends pickled only when allowed; this is the verifying process's own engine.
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    export(defaults={"vllm_allow_insecure_serialization": True})
     llm = offline_engine(model_path, stats_file=stats, extra_config=extra, dtype=dtype, **kwargs)
 
     def run(ids, **params):

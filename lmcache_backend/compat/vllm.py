@@ -252,6 +252,9 @@ CHECKED_SUMMARY = "CUDA- and Ascend-shaped caches"
 
 #: Releases run on a real engine, by platform; everything else is checked without one.
 VERIFIED_ON_ENGINE: dict[str, dict[str, str]] = {"0.32.0": {"cpu": "CPU build, real engine"}}
+#: The release whose asynchronous KV loads (the connector's sliced blends,
+#: ``blend_layers_per_step``) were checked on a real engine: ``auto`` slices on it only.
+SLICED_VERIFIED_RELEASE = "0.32.0"
 
 
 def verification(version: str, platform: str) -> str:

@@ -6,16 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def _ratio(text: str) -> float:
-    """A recompute ratio: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a ratio in [0, 1]")
-    return value
+from lmcache_backend.settings.arguments import setting_type
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ratio",
-        type=_ratio,
+        type=setting_type("blend_recompute_ratios", "item"),
         default=None,
         help="CacheBlend recompute ratio in [0, 1] (default: the configured "
         "blend_recompute_ratios)",

@@ -29,7 +29,7 @@ from typing import Any
 
 from lmcache_backend.demos.server_process import ServerExited, ServerProcess
 from lmcache_backend.errors import USAGE_EXIT, UsageError
-from lmcache_backend.settings.environment import environment
+from lmcache_backend.settings.writer import Variables
 
 #: The separator between documents (``blend_special_str``'s default).
 SEPARATOR = " # # "
@@ -239,8 +239,8 @@ def run_demo(
 
     from lmcache_backend.config import load_config
 
-    env = {} if ratio is None else {"LMCACHE_BLEND_RECOMPUTE_RATIOS": str(ratio)}
-    config = load_config(env={**environment(), **env})
+    ratios: Variables = {} if ratio is None else {"blend_recompute_ratios": [ratio]}
+    config = load_config().replace(**ratios)  # what the server loads: the ratio given on top
     setting = f"{config.blend_selection}, ratio {config.blend_recompute_ratios[-1]:g}"
 
     from lmcache_backend.data.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
@@ -251,7 +251,7 @@ def run_demo(
         server = ServerProcess(
             # prefix caching off: the opted-out request is a full prefill of every token
             ["--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "4096"],
-            env=env,
+            variables=ratios,
             stats_file=Path(tmp) / "blend.jsonl",
             log_path=Path(tmp) / "server.log",
             model=model,

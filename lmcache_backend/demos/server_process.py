@@ -14,9 +14,11 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from lmcache_backend.settings.writer import STARTED_ENGINE, Variables, child_env
 
 
 class ServerExited(RuntimeError):
@@ -41,7 +43,10 @@ class ServerProcess:
 
     Args:
         vllm_args: further ``vllm serve`` options (e.g. ``["--enforce-eager"]``).
-        env: environment variables set for the server (``LMCACHE_*``, ``VLLM_*``).
+        variables: settings and variables of the server, typed (``{"remote_url": url}``); its
+            engine blends unless they say otherwise.
+        env: further variables by name, as a user gives them (``--server-env KEY=VALUE``),
+            applied last.
         stats_file: the connector's JSON-lines file of blended requests.
         log_path: where the server's output goes (default: a temporary file).
         model: model folder (default: the embedded SmolLM2 model).
@@ -51,7 +56,8 @@ class ServerProcess:
         self,
         vllm_args: list[str] | tuple[str, ...] = (),
         *,
-        env: dict[str, str] | None = None,
+        variables: Variables | None = None,
+        env: Mapping[str, str] | None = None,
         stats_file: str | Path | None = None,
         log_path: str | Path | None = None,
         model: str | None = None,
@@ -70,12 +76,13 @@ class ServerProcess:
         if self.stats_file:
             cmd += ["--stats-file", str(self.stats_file)]
         self.cmd = cmd
-        # the server's environment: this process's, with defaults for what it leaves unset
-        self.env = dict(os.environ)
-        self.env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-        # CPU build: reserve this many GiB for the KV cache instead of a share of all memory
-        self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.env.update({"LMCACHE_ENABLE_BLENDING": "true", **(env or {})})
+        # the server's environment: this process's, with the defaults of an engine this package
+        # starts where it leaves them unset (a small KV cache on a CPU instead of a share of all
+        # memory), blending on, then the caller's
+        given: Variables = {"enable_blending": True, **(variables or {})}
+        defaults: Variables = {**STARTED_ENGINE, "omp_num_threads": os.cpu_count() or 1}
+        self.env = child_env(defaults=defaults, **given)
+        self.env.update(env or {})
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> ServerProcess:

@@ -8,13 +8,13 @@ child's output stays in one file to read afterwards.
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import lmcache_backend
+from lmcache_backend.settings.writer import child_env
 
 
 def repo_root() -> Path:
@@ -32,10 +32,7 @@ def repo_root() -> Path:
 def device_env(dry_run: bool) -> dict[str, str]:
     """This process's environment for a child. On a device ``TRITON_INTERPRET`` is dropped: the
     kernels must be compiled, never interpreted (the dry run keeps it: there is no GPU)."""
-    env = dict(os.environ)
-    if not dry_run:
-        env.pop("TRITON_INTERPRET", None)
-    return env
+    return child_env() if dry_run else child_env(triton_interpret=None)
 
 
 def python_module(module: str, *args: str) -> list[str]:

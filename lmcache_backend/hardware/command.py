@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ from lmcache_backend.hardware import (
 )
 from lmcache_backend.hardware.children import python_module, repo_root, run_child, tail
 from lmcache_backend.hardware.table import FAIL, SKIPPED, Row, append_section, section
+from lmcache_backend.settings.writer import export
 
 STEPS = ("tests", "kernels", "blend", "verify", "8b")
 #: the steps that start a vLLM engine; where vLLM does not import they are not run (their rows
@@ -156,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown steps {sorted(unknown)}; choose from {','.join(STEPS)}")
     if not args.dry_run:
         # Triton reads it once, at import: every kernel must be compiled for the device
-        os.environ.pop("TRITON_INTERPRET", None)
+        export(triton_interpret=None)
     root = repo_root()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     if args.logs:

@@ -89,12 +89,12 @@ def build_prompts(
     prompts with the chunks reordered and a new question each, as ``bench.profile`` builds them."""
     from transformers import AutoTokenizer
 
-    from lmcache_backend.bench.profile import _prompts
+    from lmcache_backend.bench.profile import sized_prompts
     from lmcache_backend.config import load_config
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     separator = load_config().blend_special_str
-    return {size: _prompts(tok, size, rounds, separator) for size in sizes}
+    return {size: sized_prompts(tok, size, rounds, separator) for size in sizes}
 
 
 def engine_kwargs(longest: int, graphs: bool = True) -> dict[str, Any]:

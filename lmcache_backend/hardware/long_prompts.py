@@ -75,11 +75,12 @@ def worker_peak(worker: object = None) -> int:
 def measure(model_dir: str, sizes: list[int], repeats: int) -> list[dict]:
     """The child's work: one engine, every size, both modes."""
     from lmcache_backend.integration.vllm.offline import generate_one, offline_engine, read_records
+    from lmcache_backend.settings.writer import export
 
     prompts = llama8b.build_prompts(Path(model_dir), sizes, repeats + 1)
     longest = max(len(p) for warm, asked in prompts.values() for p in [warm, *asked])
     # collective_rpc sends these functions pickled only when allowed; this is the check's engine
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    export(defaults={"vllm_allow_insecure_serialization": True})
     stats = os.path.join(tempfile.mkdtemp(prefix="hardware-check-"), "stats.jsonl")
     kwargs = llama8b.engine_kwargs(longest)
     llm = offline_engine(model_dir, stats_file=stats, extra_config=llama8b.EXTRA_CONFIG, **kwargs)

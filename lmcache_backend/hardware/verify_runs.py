@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -31,6 +30,7 @@ from lmcache_backend.hardware.children import (
 )
 from lmcache_backend.hardware.probe import NPU_DEFAULT
 from lmcache_backend.hardware.table import DRY, FAIL, PASS, SKIPPED, Row
+from lmcache_backend.settings.writer import Variables, child_env, export, variables
 
 STEP = "verify"
 
@@ -63,16 +63,16 @@ class Case:
 
 def invocation(
     backend_member: str | None, selection: str | None, graphs: bool
-) -> tuple[dict, dict[str, str]]:
+) -> tuple[dict, Variables]:
     """``(llm_kwargs for verify_vllm, environment variables to set)`` for one case; the parent
     prints them in the dry run and the child calls the same function."""
     kwargs: dict = {"enforce_eager": not graphs, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
-    env: dict[str, str] = {}
+    env: Variables = {}
     if backend_member is not None:
         if selection == "engine_arg":
             kwargs["attention_backend"] = backend_member
         else:
-            env["VLLM_ATTENTION_BACKEND"] = backend_member
+            env["vllm_attention_backend"] = backend_member
     return kwargs, env
 
 
@@ -156,12 +156,13 @@ def run(info: dict, models: list[str], cache: Path, logs: Path, dry_run: bool) -
         kwargs, env_changes = invocation(case.member, selection, case.graphs)
         if dry_run:
             print(
-                f"  would run: {shell_line(cmd, env_changes)}\n    verify_vllm llm_kwargs={kwargs}"
+                f"  would run: {shell_line(cmd, variables(env_changes))}\n"
+                f"    verify_vllm llm_kwargs={kwargs}"
             )
             rows.append(Row(STEP, case.label, DRY, DRY))
             continue
         out.unlink(missing_ok=True)
-        env = {**device_env(False), **env_changes}
+        env = child_env(device_env(False), **env_changes)
         rc = run_child(cmd, logs / f"verify-{case.slug}.log", env=env, timeout=1800)
         try:
             result = json.loads(out.read_text(encoding="utf-8"))
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     member = None if args.backend == NPU_DEFAULT else args.backend
     kwargs, env_changes = invocation(member, args.selection, args.graphs)
-    os.environ.update(env_changes)  # the parent sets them too; here for a hand-run child
+    export(**env_changes)  # the parent sets them too; here for a hand-run child
 
     from lmcache_backend.commands.verify import verify_vllm
 

@@ -16,8 +16,13 @@ also says what it accepts), its default, a one-line description and where it is 
   and what is accepted), the warning for an unknown key (naming the closest declared one);
 * the tables in the README and the docs (``lmcache-backend config --docs`` rewrites them between
   ``<!-- settings-table: ... -->`` markers; a test fails when they drift);
+* the typed fields of those objects (:mod:`~lmcache_backend.settings.codegen`: an editor and a
+  type checker see each field's type; ``lmcache-backend config --docs`` writes them too);
 * environment variables: :func:`~lmcache_backend.settings.environment.read_variable` is the only
-  reader of ``os.environ`` for a setting.
+  reader of ``os.environ`` for a setting, :mod:`~lmcache_backend.settings.writer` the only writer
+  (``child_env``, ``export``: typed values in, text its parser reads back out);
+* command-line flags that take a setting's values parse them with its parser
+  (:func:`~lmcache_backend.settings.arguments.setting_type`).
 
 Adding a setting
 ----------------
@@ -31,7 +36,8 @@ Adding a setting
 2. Write the code that acts on it, reading ``config.<name>`` / ``settings.<name>`` /
    ``store.<name>`` (or ``read_variable("<NAME>")``). A rule between several keys (e.g. one
    ratio per check layer) goes into the object's own check (``BlendConfig._check_together``).
-3. Run ``lmcache-backend config --docs`` to regenerate the tables.
+3. Run ``lmcache-backend config --docs`` to regenerate the tables and the typed fields (a test
+   fails while either differs from the registry).
 
 The fuzz test (``tests/test_config_fuzz.py``) draws keys from the registry: a new key is fuzzed
 without touching it.
@@ -56,8 +62,8 @@ from lmcache_backend.settings.registry import (
     REQUEST,
     STORE,
     closest,
-    dataclass_fields,
     parse_given,
+    setting_field,
     with_defaults,
 )
 from lmcache_backend.settings.setting import ENV_PREFIX, ConfigError, Scope, Setting
@@ -81,8 +87,8 @@ __all__ = [
     "Scope",
     "Setting",
     "closest",
-    "dataclass_fields",
     "parse_given",
     "read_variable",
+    "setting_field",
     "with_defaults",
 ]

@@ -1,4 +1,5 @@
-"""The key tables of the README and the docs, generated from the settings registry.
+"""The key tables of the README and the docs, and the settings objects' typed fields, generated
+from the settings registry.
 
 A table lives between two markers in a Markdown file::
 
@@ -8,8 +9,9 @@ A table lives between two markers in a Markdown file::
 
 naming a scope (``engine``, ``connector``, ``store``, ``request``, ``environment``) and,
 optionally, the groups of its settings to show. ``lmcache-backend config --docs`` (or ``python -m
-lmcache_backend.settings.docs``) rewrites every such table from the registry; with ``--check`` it
-changes nothing and fails when a table differs (a test runs that check).
+lmcache_backend.settings.docs``) rewrites every such table from the registry, and every block of
+typed fields in the code (:mod:`lmcache_backend.settings.codegen`); with ``--check`` it changes
+nothing and fails when a table or a block differs (a test runs that check).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from lmcache_backend.settings import codegen
 from lmcache_backend.settings.registry import CONNECTOR, ENGINE, ENVIRONMENT, REQUEST, STORE
 from lmcache_backend.settings.setting import Setting
 
@@ -117,15 +120,17 @@ def render(text: str, doc: str) -> str:
     return _BLOCK.sub(replace, text)
 
 
-def stale(root: Path, files: Iterable[str] = DOC_FILES) -> dict[str, tuple[str, str]]:
-    """``{file: (current text, generated text)}`` of the files whose tables differ."""
+def stale(root: Path) -> dict[str, tuple[str, str]]:
+    """``{file: (current text, generated text)}`` of the files whose tables (docs) or typed
+    fields (code, :data:`~lmcache_backend.settings.codegen.SOURCE_FILES`) differ."""
     out: dict[str, tuple[str, str]] = {}
-    for doc in files:
-        path = root / doc
-        text = path.read_text(encoding="utf-8")
-        new = render(text, doc)
+    renderers: list[tuple[str, Callable[[str, str], str]]] = [(doc, render) for doc in DOC_FILES]
+    renderers += [(source, codegen.render) for source in codegen.SOURCE_FILES]
+    for name, renderer in renderers:
+        text = (root / name).read_text(encoding="utf-8")
+        new = renderer(text, name)
         if new != text:
-            out[doc] = (text, new)
+            out[name] = (text, new)
     return out
 
 
@@ -148,7 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: Any) -> int:
     root = Path(args.root)
-    missing = [doc for doc in DOC_FILES if not (root / doc).is_file()]
+    missing = [f for f in (*DOC_FILES, *codegen.SOURCE_FILES) if not (root / f).is_file()]
     if missing:
         print(
             f"lmcache-backend config --docs: {root} is not the repository root "
@@ -159,13 +164,14 @@ def run(args: Any) -> int:
     changed = stale(root)
     if args.check:
         for doc in changed:
-            print(f"{doc}: settings tables differ from the registry", file=sys.stderr)
+            what = "typed fields" if doc.endswith(".py") else "tables"
+            print(f"{doc}: settings {what} differ from the registry", file=sys.stderr)
         if changed:
             print("run `lmcache-backend config --docs` to regenerate them", file=sys.stderr)
         return 1 if changed else 0
     for doc, (_, new) in changed.items():
         (root / doc).write_text(new, encoding="utf-8")
-        print(f"rewrote the settings tables of {doc}")
+        print(f"rewrote the settings {'fields' if doc.endswith('.py') else 'tables'} of {doc}")
     return 0
 
 

@@ -6,8 +6,9 @@ Besides its own variables the package reads a few of other projects' (vLLM's, Tr
 base directory's); they are declared here too, with their owner, so that the docs list every
 variable that changes what the package does. The test suite's two ``LMCACHE_*`` knobs are
 declared (owner: the test suite; the tests read them) so that setting them never draws an
-"unknown key" warning. Variables the package only *sets* for vLLM (e.g.
-``VLLM_ALLOW_INSECURE_SERIALIZATION`` in ``verify``) are not settings and are not listed.
+"unknown key" warning. The vLLM variables the package only *sets* for the engines it starts are
+declared too (their owner: vLLM), so that every variable it writes goes through one writer
+(:mod:`lmcache_backend.settings.writer`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,34 @@ ENVIRONMENT_VARIABLES: tuple[Setting, ...] = (
         None,
         "vLLM's KV split in its CPU attention; the connector follows vLLM's setting",
         default_doc="vLLM's (on)",
+        owner="vLLM",
+    ),
+    # set, not read: for the engines this package starts (lmcache_backend.settings.writer)
+    _variable(
+        "VLLM_ALLOW_INSECURE_SERIALIZATION",
+        p.optional(p.boolean(), "true or false"),
+        None,
+        "lets vLLM send a function to its workers pickled; `verify` and the hardware check set "
+        "it for the engines they start, whose workers run the checks' own functions",
+        default_doc="vLLM's (off)",
+        owner="vLLM",
+    ),
+    _variable(
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        p.optional(p.boolean(), "true or false"),
+        None,
+        "vLLM's engine core in a process of its own; `python -m lmcache_backend.bench.profile "
+        "--ops` turns it off, so that the profiler sees the worker",
+        default_doc="vLLM's (on)",
+        owner="vLLM",
+    ),
+    _variable(
+        "VLLM_ATTENTION_BACKEND",
+        p.optional(p.text(allow_empty=False), "a name of vLLM's attention backend enum"),
+        None,
+        "vLLM's attention backend in releases that read the variable; the hardware check sets "
+        "it for each backend it verifies",
+        default_doc="vLLM's choice",
         owner="vLLM",
     ),
     _variable(

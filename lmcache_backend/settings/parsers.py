@@ -4,7 +4,9 @@ A parser turns a raw value (a YAML value, an environment variable's text, a JSON
 ``kv_connector_extra_config`` or ``kv_transfer_params``, or an already parsed value) into the
 setting's value, or raises ``ValueError`` saying why. Parsing an already parsed value returns it
 unchanged, so a value can be checked again wherever it arrives. :attr:`Parser.accepts` says in a
-few words what the parser takes: errors and the generated docs show it.
+few words what the parser takes: errors and the generated docs show it;
+:attr:`Parser.annotation` is the type of its values, which the settings objects' generated fields
+declare (:mod:`lmcache_backend.settings.codegen`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,17 @@ class Parser:
         convert: the conversion.
         accepts: what it takes, e.g. ``"true or false"``, ``"an integer >= 1"``.
         choices: the values a choice takes (empty for other parsers).
+        annotation: the type of its values as Python writes it (``"list[float]"``): the
+            settings objects' fields are declared with it.
+        item: the parser of each item, for a list parser (a command-line flag that takes one
+            item parses it with this).
     """
 
     convert: Callable[[Any], Any]
     accepts: str
     choices: tuple[str, ...] = ()
+    annotation: str = "Any"
+    item: Parser | None = None
 
     def __call__(self, value: Any) -> Any:
         return self.convert(value)
@@ -56,7 +64,7 @@ def boolean() -> Parser:
         raise ValueError(f"expected {accepts}")
 
     accepts = "true or false (yes/no, on/off, 1/0)"
-    return Parser(convert, accepts)
+    return Parser(convert, accepts, annotation="bool")
 
 
 def _bounds(minimum: float | None, maximum: float | None, open_max: bool) -> str:
@@ -90,7 +98,7 @@ def integer(minimum: int | None = None) -> Parser:
             raise ValueError(f"expected {accepts}")
         return number
 
-    return Parser(convert, accepts)
+    return Parser(convert, accepts, annotation="int")
 
 
 def _real(value: Any) -> float:
@@ -131,7 +139,7 @@ def number(
             raise ValueError(f"expected {accepts}")
         return x
 
-    return Parser(convert, accepts)
+    return Parser(convert, accepts, annotation="float")
 
 
 def text(allow_empty: bool = True) -> Parser:
@@ -145,7 +153,7 @@ def text(allow_empty: bool = True) -> Parser:
             raise ValueError(f"expected {accepts}")
         return value
 
-    return Parser(convert, accepts)
+    return Parser(convert, accepts, annotation="str")
 
 
 def choice(*choices: str) -> Parser:
@@ -158,7 +166,7 @@ def choice(*choices: str) -> Parser:
             raise ValueError(f"expected {accepts}")
         return word
 
-    return Parser(convert, accepts, tuple(choices))
+    return Parser(convert, accepts, tuple(choices), annotation="str")
 
 
 def optional(inner: Parser, accepts: str = "") -> Parser:
@@ -170,7 +178,12 @@ def optional(inner: Parser, accepts: str = "") -> Parser:
             return None
         return inner(value)
 
-    return Parser(convert, accepts or f"{inner.accepts}, or null", inner.choices)
+    return Parser(
+        convert,
+        accepts or f"{inner.accepts}, or null",
+        inner.choices,
+        annotation=f"{inner.annotation} | None",
+    )
 
 
 def path() -> Parser:
@@ -206,7 +219,7 @@ def number_list(item: Parser, what: str) -> Parser:
                 raise ValueError(f"{what} {raw!r}: {exc}") from None
         return out
 
-    return Parser(convert, accepts)
+    return Parser(convert, accepts, annotation=f"list[{item.annotation}]", item=item)
 
 
 def layer_list() -> Parser:
@@ -226,7 +239,7 @@ def layer_list() -> Parser:
             raise ValueError("layers must be strictly increasing")
         return layers
 
-    return Parser(convert, accepts)
+    return Parser(convert, accepts, annotation="list[int]", item=layer)
 
 
 def json_object() -> Parser:
@@ -244,7 +257,7 @@ def json_object() -> Parser:
             raise ValueError("expected a JSON object")
         return parsed
 
-    return Parser(convert, "a JSON object")
+    return Parser(convert, "a JSON object", annotation="dict[str, Any]")
 
 
 def count_or_auto() -> Parser:
@@ -260,4 +273,4 @@ def count_or_auto() -> Parser:
         except (TypeError, ValueError):
             raise ValueError(f"expected {accepts}") from None
 
-    return Parser(convert, accepts)
+    return Parser(convert, accepts, annotation="int | str")

@@ -87,22 +87,17 @@ def with_defaults(settings: Mapping[str, Setting], values: Mapping[str, Any]) ->
     }
 
 
-def dataclass_fields(settings: Mapping[str, Setting]) -> list[tuple[str, Any, Any]]:
-    """``settings`` as fields for :func:`dataclasses.make_dataclass`, each defaulting to a copy
-    of its setting's default and pointing back at it (``field.metadata["setting"]``); a field
-    that is or holds a secret is left out of the repr."""
-    return [
-        (
-            name,
-            Any,
-            field(
-                default_factory=s.default_value,
-                repr=not (s.secret or s.hidden_keys),
-                metadata={"setting": s},
-            ),
-        )
-        for name, s in settings.items()
-    ]
+def setting_field(setting: Setting) -> Any:
+    """The dataclass field of ``setting``: it defaults to a copy of the setting's default, points
+    back at it (``field.metadata["setting"]``) and is left out of the repr when it is or holds a
+    secret. The settings objects' generated fields use it
+    (:mod:`~lmcache_backend.settings.codegen`); typed ``Any`` so that a type checker reads each
+    field's declared type and sees that it has a default."""
+    return field(
+        default_factory=setting.default_value,
+        repr=not (setting.secret or setting.hidden_keys),
+        metadata={"setting": setting},
+    )
 
 
 __all__ = [
@@ -114,8 +109,8 @@ __all__ = [
     "STORE",
     "ConfigError",
     "closest",
-    "dataclass_fields",
     "in_scope",
     "parse_given",
+    "setting_field",
     "with_defaults",
 ]

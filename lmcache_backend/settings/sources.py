@@ -45,7 +45,7 @@ def warn_unknown(key: str, where: str) -> None:
         return
     if where.startswith(ENV_PREFIX):
         # the package's own variables are declared: a typo of one is named as a variable
-        engine = {s.env: f"{name!r} ({s.env})" for name, s in ENGINE.items()}
+        engine = {s.env: f"{name!r} ({s.env})" for name, s in ENGINE.items() if s.env}
         own = {v: v for v in ENVIRONMENT if v.startswith(ENV_PREFIX)}
         close = closest(where, {**engine, **own})
         hint = {**engine, **own}.get(close) if close else None
@@ -138,6 +138,7 @@ def configured(name: str, env: Mapping[str, str] | None = None) -> Any:
         data = read_yaml(path)
         if name in data:
             value = setting.value(data[name], path)
-    if setting.env in env:
-        value = setting.value(env[setting.env], setting.env)
+    variable = setting.env
+    if variable is not None and variable in env:
+        value = setting.value(env[variable], variable)
     return value

@@ -32,7 +32,7 @@ def _key_prefix() -> p.Parser:
             raise ValueError("must not hold { or }: keys end with the segment's hash tag {<key>}")
         return text
 
-    return p.Parser(convert, "non-empty text without { or }")
+    return p.Parser(convert, "non-empty text without { or }", annotation="str")
 
 
 STORE_KEYS: tuple[Setting, ...] = (

@@ -3,6 +3,7 @@ set in its ``kv_transfer_params`` (besides the engine keys marked ``per_request`
 
 from __future__ import annotations
 
+from lmcache_backend.compat.vllm import SLICED_VERIFIED_RELEASE
 from lmcache_backend.settings import parsers as p
 from lmcache_backend.settings.setting import Scope, Setting
 
@@ -70,7 +71,8 @@ CONNECTOR_KEYS: tuple[Setting, ...] = (
         "length, and a short one keeps its time to first token (sliced, a 1k/2k-token blend "
         "took 31%/22% longer, [measurements](docs/measurements/sliced-loads.md)); on a vLLM "
         "release other "
-        "than the one whose asynchronous loads were checked (0.32.0) `auto` blends in one go "
+        f"than the one whose asynchronous loads were checked ({SLICED_VERIFIED_RELEASE}) `auto` "
+        "blends in one go "
         "(logged). `n > 0`: prompts with a preview selection load as vLLM asynchronous KV "
         "loads, `n` layer passes per step, so decode streams keep producing tokens between "
         "the slices (a preview through vLLM's forward pass is one pass and a step of its own); "

@@ -14,11 +14,11 @@ import logging
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import field, make_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_backend.config import BlendConfig, ConfigError
-from lmcache_backend.settings import STORE, dataclass_fields, parse_given, with_defaults
+from lmcache_backend.settings import STORE, parse_given, setting_field, with_defaults
 from lmcache_backend.settings.environment import FORCE_LMCACHE_EXTRA_KEY
 from lmcache_backend.settings.registry import closest
 from lmcache_backend.settings.store_keys import MIN_SECRET_BYTES
@@ -33,23 +33,47 @@ SECRET_KEYS = ("shared_secret", "shared_secret_file")
 #: ``extra_config`` settings of the store, with their defaults.
 EXTRA_DEFAULTS: dict[str, Any] = with_defaults(STORE, {})
 
-StoreSettings = make_dataclass(
-    "StoreSettings",
-    [
-        *dataclass_fields({k: s for k, s in STORE.items() if k not in SECRET_KEYS}),
-        ("secret", Any, field(default=None, repr=False)),
-        ("remote", RedisTarget | None, field(default=None)),
-    ],
-    frozen=True,
-    namespace={
-        "__module__": __name__,
-        "__doc__": "The store's ``extra_config`` settings, checked: one field per store key of "
-        "the registry, the secrets replaced by ``secret``, the shared secret's bytes (from "
-        "``shared_secret`` or the file named by ``shared_secret_file``), or None; ``remote`` "
-        "is ``remote_url`` parsed with ``remote_cluster`` and ``remote_sentinel_master`` "
-        "(None without a ``remote_url``).",
-    },
-)
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """The store's ``extra_config`` settings, checked: one field per store key of the registry
+    (generated from it by ``lmcache-backend config --docs``), the secrets replaced by
+    ``secret``, the shared secret's bytes (from ``shared_secret`` or the file named by
+    ``shared_secret_file``), or None; ``remote`` is ``remote_url`` parsed with
+    ``remote_cluster`` and ``remote_sentinel_master`` (None without a ``remote_url``)."""
+
+    # <settings-fields: dataclass store except shared_secret,shared_secret_file>
+    #: accelerator-memory tier capacity, GB; 0 turns it off
+    max_local_device_size: float = setting_field(STORE["max_local_device_size"])
+    #: which entries the memory tiers evict first
+    cache_policy: str = setting_field(STORE["cache_policy"])
+    #: which new segments a full memory tier stores
+    cache_admission: str = setting_field(STORE["cache_admission"])
+    #: memory tiers return copies, so callers may change results in place
+    copy_on_get: bool = setting_field(STORE["copy_on_get"])
+    #: keep the cross-process index (marker files)
+    segment_index: bool = setting_field(STORE["segment_index"])
+    #: folder of the index; private to its user
+    segment_index_dir: str | None = setting_field(STORE["segment_index_dir"])
+    #: namespace of the keys in Redis
+    remote_key_prefix: str | None = setting_field(STORE["remote_key_prefix"])
+    #: `remote_url` is a Redis Cluster (`true`) or one server (`false`)
+    remote_cluster: bool | None = setting_field(STORE["remote_cluster"])
+    #: the Sentinel master's name, for a `redis-sentinel://` URL without a `/<name>` path
+    remote_sentinel_master: str | None = setting_field(STORE["remote_sentinel_master"])
+    #: socket timeout of one Redis command, s (must fit the largest value on your network)
+    remote_timeout: float = setting_field(STORE["remote_timeout"])
+    #: socket timeout of opening a connection, s
+    remote_connect_timeout: float = setting_field(STORE["remote_connect_timeout"])
+    #: expiry of Redis entries, s; null (or 0): until the server evicts them
+    remote_ttl: float | None = setting_field(STORE["remote_ttl"])
+    #: s before the first reconnection attempt
+    remote_retry_base_delay: float = setting_field(STORE["remote_retry_base_delay"])
+    #: cap of the doubling reconnection delay, s
+    remote_retry_max_delay: float = setting_field(STORE["remote_retry_max_delay"])
+    # </settings-fields>
+    secret: bytes | None = field(default=None, repr=False)
+    remote: RedisTarget | None = None
 
 
 def store_settings(config: BlendConfig) -> StoreSettings:

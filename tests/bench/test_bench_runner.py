@@ -161,7 +161,7 @@ def test_run_json_table_and_plots(tmp_path, dataset):
 
 
 def test_bad_flags_stop_with_a_message(tmp_path, dataset):
-    with pytest.raises(SystemExit, match="check layers \\[9\\]"):
+    with pytest.raises(SystemExit, match=r"blend_check_layers \(from --check-layers\) = \[9\]"):
         run(_parse("--dataset", str(dataset), "--check-layers", "9", "--no-progress"),
             out=io.StringIO(), engine=FakeEngine())  # fmt: skip
     bad = tmp_path / "bad.jsonl"

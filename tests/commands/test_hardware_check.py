@@ -284,7 +284,7 @@ def test_backend_selection_follows_the_release() -> None:
     kwargs, env = verify_runs.invocation("FLASHINFER", "engine_arg", graphs=True)
     assert kwargs["attention_backend"] == "FLASHINFER" and not kwargs["enforce_eager"] and not env
     kwargs, env = verify_runs.invocation("TRITON_ATTN_VLLM_V1", "env", graphs=False)
-    assert env == {"VLLM_ATTENTION_BACKEND": "TRITON_ATTN_VLLM_V1"} and kwargs["enforce_eager"]
+    assert env == {"vllm_attention_backend": "TRITON_ATTN_VLLM_V1"} and kwargs["enforce_eager"]
     assert "attention_backend" not in kwargs
     # older releases' V1 names are found; the plain name wins where both exist
     offered = offered_backends("cuda", ["FLASH_ATTN", "TRITON_ATTN_VLLM_V1", "FLASHINFER"])

@@ -323,7 +323,7 @@ def test_connector_and_model_adapter_start_on_recorded_releases(
     assert connector.profile.release == release
     assert _adapter_profile().release == release
     # the default slicing: long claims sliced only where vLLM's asynchronous loads were checked
-    from lmcache_backend.integration.vllm.connector import SLICED_VERIFIED_RELEASE
+    from lmcache_backend.compat.vllm import SLICED_VERIFIED_RELEASE
 
     sliced = connector.settings.blend_layers_per_step
     assert sliced == (8 if release == SLICED_VERIFIED_RELEASE else 0)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,6 +56,9 @@ from lmcache_backend.integration.vllm.layouts import (
 from lmcache_backend.integration.vllm.settings import ConnectorSettings
 from lmcache_backend.models.vllm import VLLMModelAdapter
 from lmcache_backend.ops import Ops
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +96,7 @@ class SelectedAttention:
 
 def choose_attention(
     settings: ConnectorSettings,
-    vllm_config: Any,
+    vllm_config: VllmConfig,
     layer_names: list[str],
     caches: list[torch.Tensor],
     layout: PagedLayout,
@@ -156,7 +159,7 @@ def _device_contiguous_attention(
 
 
 def _paged_attention(
-    vllm_config: Any,
+    vllm_config: VllmConfig,
     layer_names: list[str],
     caches: list[torch.Tensor],
     layout: PagedLayout,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcache_backend.compat.gate import admit
+from lmcache_backend.compat.vllm import SLICED_VERIFIED_RELEASE
 from lmcache_backend.config import ConfigError
 from lmcache_backend.integration.vllm.layouts import LayerCache
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata
@@ -40,10 +41,17 @@ from lmcache_backend.integration.vllm.worker import WorkerSide
 from lmcache_backend.models.vllm import vllm_fingerprint
 from lmcache_backend.settings import read_variable
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
-#: the vLLM release whose asynchronous-load path (``blend_layers_per_step``) was checked
-SLICED_VERIFIED_RELEASE = "0.32.0"
+    from lmcache_backend.compat.profile import VllmProfile
+
+logger = logging.getLogger(__name__)
 
 
 def _route_logs_like_vllm() -> None:
@@ -60,7 +68,7 @@ def _route_logs_like_vllm() -> None:
     pkg.propagate = False
 
 
-def _resolve_auto_slicing(settings: ConnectorSettings, profile: Any) -> ConnectorSettings:
+def _resolve_auto_slicing(settings: ConnectorSettings, profile: VllmProfile) -> ConnectorSettings:
     """``blend_layers_per_step="auto"`` slices long claims only on the vLLM release whose
     asynchronous loads were checked; elsewhere every blend runs at once (logged)."""
     if not settings.slicing_auto:
@@ -102,7 +110,10 @@ class CacheBlendConnector(KVConnectorBase_V1):
     """
 
     def __init__(
-        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         _route_logs_like_vllm()
         settings = load_settings(vllm_config)
@@ -116,9 +127,9 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 f"{profile.release}"
             )
         if "kv_cache_config" in profile.connector_init_params:
-            super().__init__(vllm_config, role, kv_cache_config)
-        else:
-            super().__init__(vllm_config, role)
+            super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        else:  # releases before 0.11.2 (compat/vllm.py): two arguments
+            super().__init__(vllm_config, role)  # type: ignore[call-arg]
         self.settings = settings
         self.profile = profile
         if settings.blend_layers_per_step and profile.release != SLICED_VERIFIED_RELEASE:
@@ -159,39 +170,53 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 settings.config.blend_max_cost,
             )
 
+    @property
+    def _sched(self) -> SchedulerSide:
+        """The scheduler side: vLLM calls the scheduler's hooks on a scheduler connector only."""
+        assert self._scheduler is not None, "a scheduler hook called on a worker connector"
+        return self._scheduler
+
+    @property
+    def _work(self) -> WorkerSide:
+        """The worker side: vLLM calls the worker's hooks on a worker connector only."""
+        assert self._worker is not None, "a worker hook called on a scheduler connector"
+        return self._worker
+
     # -- scheduler side -------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         # Synchronous (vLLM runs the load before the step's forward pass) unless the claim is
         # sliced (blend_layers_per_step): then vLLM parks the request until finished_recving.
-        claimed = self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
-        return claimed, claimed > 0 and self._scheduler.is_sliced(request)
+        claimed = self._sched.num_new_matched_tokens(request, num_computed_tokens)
+        return claimed, claimed > 0 and self._sched.is_sliced(request)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ):
         block_ids = None
-        if num_external_tokens and self._scheduler.is_sliced(request):
+        if num_external_tokens and self._sched.is_sliced(request):
             block_ids = blocks.get_block_ids()[0]
-        self._scheduler.after_alloc(request, num_external_tokens, block_ids)
+        self._sched.after_alloc(request, num_external_tokens, block_ids)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        plan = self._scheduler.build(scheduler_output)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        plan = self._sched.build(scheduler_output)
         return CacheBlendConnectorMetadata(loads=plan.loads, saves=plan.saves, cancels=plan.cancels)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._scheduler.loads_finished(getattr(connector_output, "finished_recving", None))
+        self._sched.loads_finished(getattr(connector_output, "finished_recving", None))
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._scheduler.finished(request)
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._sched.finished(request)
         return False, None
 
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, LayerCache]) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        self._work.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         # A step with a synchronous load runs this before its forward pass; a step with sliced
         # loads only (or no tokens at all) after it (vLLM's _get_kv_connector_output,
         # kv_connector_no_forward). Sliced loads start first, then cancels drop blends of
@@ -199,12 +224,12 @@ class CacheBlendConnector(KVConnectorBase_V1):
         meta = self.profile.step_metadata(self)
         for spec in getattr(meta, "loads", ()):
             if spec.sliced:
-                self._worker.start(spec)
+                self._work.start(spec)
             else:
-                self._worker.load(spec)
+                self._work.load(spec)
         for req_id in getattr(meta, "cancels", ()):
-            self._worker.cancel(req_id)
-        self._worker.advance()
+            self._work.cancel(req_id)
+        self._work.advance()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads complete inside start_load_kv, before the forward pass.
@@ -212,8 +237,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # finished_recving: sliced loads completed (or cancelled) this step
-        self._worker.finished(finished_req_ids)
-        return None, self._worker.take_finished_loads()
+        self._work.finished(finished_req_ids)
+        return None, self._work.take_finished_loads()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -222,10 +247,10 @@ class CacheBlendConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        self._worker.finish_step()
+        self._work.finish_step()
         meta = self.profile.step_metadata(self)
         for spec in getattr(meta, "saves", ()):
-            self._worker.save(spec)
+            self._work.save(spec)
 
     # -- metrics (vLLM's /metrics; see .metrics) ---------------------------------------------
 
@@ -233,7 +258,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         # vLLM calls this after every step on both sides: each hands over what is new
         if self._scheduler is not None:
             return self._scheduler.take_metrics()
-        return self._worker.take_metrics()
+        return self._work.take_metrics()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None) -> CacheBlendStats:
@@ -243,7 +268,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(
         cls,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         metric_types: dict,
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],

@@ -38,11 +38,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from lmcache_backend.integration.vllm.layouts import CpuAttention
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 # The dtypes of vLLM's model-runner input buffers. The compiled graph is traced with them and
 # reads its inputs as such: int64 token ids would be read as pairs of int32 (every other token
@@ -196,7 +199,7 @@ class EngineForward:
     def __init__(
         self,
         model: torch.nn.Module,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         layer_names: list[str],
         attention: CpuAttention,
         tiled_attention: SelectedQueriesAttention | None = None,

@@ -18,7 +18,10 @@ The payload is plain JSON-like data: it crosses process boundaries through msgpa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 try:  # vLLM 0.11 and later
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -245,7 +248,7 @@ class CacheBlendPromMetrics(KVConnectorPromMetrics):
 
     def __init__(
         self,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],

@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcache_backend.blend.pays import estimate_blend
 from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
@@ -63,6 +63,12 @@ from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage import create_lookup
 from lmcache_backend.storage.segments import segment_keys
 
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from lmcache_backend.compat.profile import VllmProfile
+
 logger = logging.getLogger(__name__)
 
 
@@ -77,7 +83,7 @@ class ClaimStats:
     skipped: dict[str, int] = field(default_factory=dict)
 
 
-def request_salt(request: Any) -> str | None:
+def request_salt(request: Request) -> str | None:
     """``request.cache_salt`` as a key namespace: ``None`` for no salt (or an empty one, which
     vLLM's prefix cache treats as none too)."""
     salt = getattr(request, "cache_salt", None)
@@ -87,9 +93,12 @@ def request_salt(request: Any) -> str | None:
 
 
 class SchedulerSide:
-    """The scheduler-side logic, free of vLLM types (requests are read by attribute)."""
+    """The scheduler-side logic, free of vLLM imports at run time (requests are read by attribute;
+    vLLM's types are named for type checkers only)."""
 
-    def __init__(self, settings: ConnectorSettings, fingerprint: ModelFingerprint, profile: Any):
+    def __init__(
+        self, settings: ConnectorSettings, fingerprint: ModelFingerprint, profile: VllmProfile
+    ):
         self.settings = settings
         self.fingerprint = fingerprint
         self.profile = profile
@@ -118,7 +127,7 @@ class SchedulerSide:
             hits = [a and b for a, b in zip(hits, lookup.contains_many(keys))]
         return hits
 
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` the connector provides (0, or up to the end of
         the last reused span); a request left to vLLM is recorded once with its reason."""
         rid = request.request_id
@@ -239,12 +248,14 @@ class SchedulerSide:
             line = left_to_vllm_line(rid, num_tokens, reason, detail, reusable, hits, cost_share)
             append_json_line(self.settings.stats_file, line)
 
-    def is_sliced(self, request: Any) -> bool:
+    def is_sliced(self, request: Request) -> bool:
         """Whether the claim just made for ``request`` is loaded asynchronously."""
         state = self.requests.get(request.request_id)
         return state is not None and state.claim is not None and state.claim.sliced
 
-    def after_alloc(self, request: Any, num_external_tokens: int, block_ids: Any = None) -> None:
+    def after_alloc(
+        self, request: Request, num_external_tokens: int, block_ids: list[int] | None = None
+    ) -> None:
         """vLLM allocated ``request``'s blocks (``block_ids``: the first KV-cache group's, read
         for a sliced claim, whose load is planned now: the request is not scheduled)."""
         state = self.requests.get(request.request_id)
@@ -266,7 +277,7 @@ class SchedulerSide:
 
     # -- per-step plan --------------------------------------------------------------------
 
-    def build(self, scheduler_output: Any) -> CacheBlendMetadata:
+    def build(self, scheduler_output: SchedulerOutput) -> CacheBlendMetadata:
         meta, self._next_plan = self._next_plan, CacheBlendMetadata()
         starting = [(s.sliced_start.order, r) for r, s in self.requests.items() if s.sliced_start]
         for _, rid in sorted(starting):
@@ -361,7 +372,7 @@ class SchedulerSide:
         for lookup in self.lookups:
             lookup.close(wait_s=2.0)
 
-    def finished(self, request: Any) -> None:
+    def finished(self, request: Request) -> None:
         """``request`` finished or was aborted: count its decision, cancel its sliced load, and
         forget it (the one place a request's record is removed)."""
         rid = request.request_id

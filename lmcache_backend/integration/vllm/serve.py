@@ -21,7 +21,6 @@ import argparse
 import functools
 import importlib.metadata
 import json
-import os
 import sys
 
 from lmcache_backend.integration.vllm import kv_transfer_config
@@ -187,14 +186,15 @@ def main(args: argparse.Namespace, vllm_args: list[str]) -> int:
         return print_help(vllm_args)
     from lmcache_backend.errors import UsageError
     from lmcache_backend.integration.vllm.serve_checks import preflight
+    from lmcache_backend.settings.writer import export
 
-    os.environ.setdefault("LMCACHE_ENABLE_BLENDING", "true")
+    export(defaults={"enable_blending": True})
     try:
         argv = vllm_serve_argv(args.model, vllm_args, args.stats_file)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
     settings, message = preflight(argv)
-    os.environ.update(settings)
+    export(**settings)
     if message:
         print(f"lmcache-backend serve: {message}", file=sys.stderr, flush=True)
     _version_lookup_with_fallback()

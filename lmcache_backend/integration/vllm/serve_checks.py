@@ -23,10 +23,11 @@ from lmcache_backend.config import BlendConfig, load_config
 from lmcache_backend.errors import UsageError
 from lmcache_backend.settings import ENVIRONMENT
 from lmcache_backend.settings.environment import environment
+from lmcache_backend.settings.writer import Variables, variable
 
 GIB = 1024**3
 GB = 1e9
-KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+KV_SPACE_ENV = variable("vllm_cpu_kvcache_space")
 KV_TRANSFER_FLAG = "--kv-transfer-config"
 #: what the process itself holds besides weights, KV cache and store (Python, torch, vLLM)
 PROCESS_RESERVE_BYTES = 2 * GIB
@@ -138,7 +139,7 @@ def cpu_kv_cache(
     memory: Memory,
     weights: int,
     store_bytes: float,
-) -> tuple[dict[str, str], str | None]:
+) -> tuple[Variables, str | None]:
     """Check or choose the KV-cache memory of vLLM's CPU build.
 
     Args:
@@ -149,8 +150,9 @@ def cpu_kv_cache(
         store_bytes: the CPU segment store's capacity (0 without it).
 
     Returns:
-        ``(variables to set, message)``: ``{VLLM_CPU_KVCACHE_SPACE: N}`` and the line saying so
-        when ``serve`` chooses the size, else ``({}, None)``.
+        ``(variables to set, message)``: ``{"vllm_cpu_kvcache_space": N}`` (for
+        :func:`~lmcache_backend.settings.writer.export`) and the line saying so when ``serve``
+        chooses the size, else ``({}, None)``.
 
     Raises:
         UsageError: ``VLLM_CPU_KVCACHE_SPACE`` is not a whole number of GiB >= 1 or exceeds the
@@ -160,12 +162,13 @@ def cpu_kv_cache(
     raw = env.get(KV_SPACE_ENV, "")
     free_gib = int(memory.available // GIB)
     if raw != "":
+        parse = ENVIRONMENT[KV_SPACE_ENV].parse
         try:
-            space = ENVIRONMENT[KV_SPACE_ENV].parse(raw) or 0
+            space = parse(raw)
         except (TypeError, ValueError):
-            space = 0
-        if space < 1:
-            raise UsageError(f"{KV_SPACE_ENV}={raw!r}: expected a whole number of GiB >= 1")
+            space = None
+        if space is None:
+            raise UsageError(f"{KV_SPACE_ENV}={raw!r}: expected {parse.accepts}")
         if space * GIB > memory.available:
             raise UsageError(
                 f"{KV_SPACE_ENV}={space} (GiB) is more than the {_gib(memory.available)} of "
@@ -206,10 +209,12 @@ def cpu_kv_cache(
         f"{_gib(spare)} free after the weights, the CPU segment store and the process); "
         f"set {KV_SPACE_ENV} to choose"
     )
-    return {KV_SPACE_ENV: str(space)}, message
+    return {"vllm_cpu_kvcache_space": space}, message
 
 
-def preflight(argv: list[str], env: Mapping[str, str] | None = None) -> tuple[dict, str | None]:
+def preflight(
+    argv: list[str], env: Mapping[str, str] | None = None
+) -> tuple[Variables, str | None]:
     """Every check, on the ``vllm serve`` arguments ``argv`` (``["serve", MODEL, ...]``).
 
     Returns:

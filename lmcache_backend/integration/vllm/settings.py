@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import field, make_dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from lmcache_backend.blend.patterns import SegmentPattern, segment_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
 from lmcache_backend.logtext import shorten, shown
-from lmcache_backend.settings import CONNECTOR, ENGINE, REQUEST, dataclass_fields, parse_given
+from lmcache_backend.settings import CONNECTOR, ENGINE, REQUEST, parse_given, setting_field
 from lmcache_backend.settings.vllm_keys import SKIP_SAVE
 from lmcache_backend.storage.index_dir import default_index_dir
 from lmcache_backend.storage.settings import store_settings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,36 +39,13 @@ DEFAULT_STEP_TOKENS = 8192
 _RESOLVED = ("instance_id", "blend_layers_per_step")
 
 
-class _ConnectorSettingsMethods:
-    def rank_instance(self, rank: int) -> str:
-        """Index id of one rank (the same on the scheduler and on that rank's worker)."""
-        return self.instance_id if self.tp_size == 1 else f"{self.instance_id}-tp{rank}"
-
-    def shard(self, rank: int) -> str:
-        return "" if self.tp_size == 1 else f"tp{rank}of{self.tp_size}"
-
-
-ConnectorSettings = make_dataclass(
-    "ConnectorSettings",
-    [
-        ("config", BlendConfig),
-        ("instance_id", str),
-        ("tp_size", int),
-        ("separator", SegmentPattern),
-        *dataclass_fields({k: s for k, s in CONNECTOR.items() if k not in _RESOLVED}),
-        ("num_layers", Any, field(default=None)),
-        ("blend_layers_per_step", int, field(default=0)),
-        ("slice_from_tokens", int, field(default=0)),
-        ("slicing_auto", bool, field(default=False)),
-    ],
-    bases=(_ConnectorSettingsMethods,),
-    frozen=True,
-    namespace={
-        "__module__": __name__,
-        "__doc__": """Everything both connector sides derive from the engine's configuration.
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Everything both connector sides derive from the engine's configuration.
 
     One field per connector key of the settings registry
-    (:mod:`lmcache_backend.settings.vllm_keys`, where each is described), and:
+    (:mod:`lmcache_backend.settings.vllm_keys`, where each is described; the fields between the
+    markers are generated from it by ``lmcache-backend config --docs``), and:
 
     Attributes:
         config: the validated blend configuration.
@@ -85,9 +65,41 @@ ConnectorSettings = make_dataclass(
             where slicing would cost it a fifth to a third more time to first token.
         slicing_auto: ``blend_layers_per_step`` was ``"auto"`` (the connector turns it to 0,
             with a log line, where vLLM's asynchronous loads are not verified).
-    """,
-    },
-)
+    """
+
+    config: BlendConfig
+    instance_id: str
+    tp_size: int
+    separator: SegmentPattern
+    # <settings-fields: dataclass connector except instance_id,blend_layers_per_step>
+    #: append one JSON line per request the connector saw
+    stats_file: str | None = setting_field(CONNECTOR["stats_file"])
+    #: run a vLLM / vllm-ascend release the version gate has no record of, with the nearest code
+    #: path
+    allow_untested_versions: bool = setting_field(CONNECTOR["allow_untested_versions"])
+    #: run `lmcache-backend verify`'s model checks once at start-up and log the result
+    verify_on_start: bool = setting_field(CONNECTOR["verify_on_start"])
+    #: time the phases of each blended request into `stats_file`'s records (`phases_ms`,
+    #: milliseconds per phase)
+    time_phases: bool = setting_field(CONNECTOR["time_phases"])
+    #: run a preview selection's preview and then the selected tokens through vLLM's own compiled
+    #: forward pass
+    engine_forward: bool = setting_field(CONNECTOR["engine_forward"])
+    #: kernel of the selected tokens' attention (vLLM's forward pass and the layer-by-layer path
+    #: alike)
+    selected_attention: str = setting_field(CONNECTOR["selected_attention"])
+    # </settings-fields>
+    num_layers: int | None = None
+    blend_layers_per_step: int = 0
+    slice_from_tokens: int = 0
+    slicing_auto: bool = False
+
+    def rank_instance(self, rank: int) -> str:
+        """Index id of one rank (the same on the scheduler and on that rank's worker)."""
+        return self.instance_id if self.tp_size == 1 else f"{self.instance_id}-tp{rank}"
+
+    def shard(self, rank: int) -> str:
+        return "" if self.tp_size == 1 else f"tp{rank}of{self.tp_size}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -99,7 +111,7 @@ def _tokenizer(name: str, revision: str | None, trust_remote_code: bool) -> Any:
     )
 
 
-def load_settings(vllm_config: Any) -> ConnectorSettings:
+def load_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     """Read and validate the settings of the engine described by ``vllm_config``.
 
     Raises:
@@ -107,6 +119,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
             fit the model (e.g. a check layer beyond the last layer).
     """
     kv = vllm_config.kv_transfer_config
+    assert kv is not None, "vLLM builds a KV connector from its kv_transfer_config only"
     extra = dict(getattr(kv, "kv_connector_extra_config", None) or {})
     own = parse_given(CONNECTOR, extra, EXTRA_CONFIG)
     config = load_config(**extra)  # the engine keys (it leaves the connector's alone)
@@ -132,7 +145,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
         )
     except ValueError as exc:
         where = config.sources.get("blend_special_str", "default")
-        raise ENGINE["blend_special_str"].error(config.blend_special_str, where, exc) from exc
+        raise ENGINE["blend_special_str"].error(config.blend_special_str, where, str(exc)) from exc
     instance_id = own.pop("instance_id", None) or f"vllm-{kv.engine_id}"
     try:  # it names the index folder: a plain name, checked now rather than in the worker
         default_index_dir(instance_id)
@@ -151,7 +164,7 @@ def load_settings(vllm_config: Any) -> ConnectorSettings:
     )
 
 
-def _slicing(value: int | str, vllm_config: Any) -> dict[str, Any]:
+def _slicing(value: int | str, vllm_config: VllmConfig) -> dict[str, Any]:
     """``blend_layers_per_step`` (a count, or ``"auto"``) as the settings' slicing fields."""
     if value == "auto":
         scheduler = getattr(vllm_config, "scheduler_config", None)
@@ -206,7 +219,7 @@ def request_config(
     if not given:
         return config
     try:
-        out = config.replace(**parse_given(REQUEST, given, "kv_transfer_params"))
+        out = config.replace_parsed(parse_given(REQUEST, given, "kv_transfer_params"))
         if num_layers is not None:
             out.validate_for_model(num_layers)
         return out

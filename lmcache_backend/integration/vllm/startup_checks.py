@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,16 +20,19 @@ from lmcache_backend.integration.vllm.settings import ConnectorSettings
 from lmcache_backend.models.vllm import VLLMModelAdapter
 from lmcache_backend.ops import Ops
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
 logger = logging.getLogger(__name__)
 
 
-def probe_tokens(vllm_config: Any) -> list[int]:
+def probe_tokens(vllm_config: VllmConfig) -> list[int]:
     """96 token ids spread over the model's vocabulary."""
     vocab = int(vllm_config.model_config.get_vocab_size())
     return [(100 + 37 * i) % max(vocab, 1) for i in range(96)]
 
 
-def check_rerotation(model: VLLMModelAdapter, vllm_config: Any) -> None:
+def check_rerotation(model: VLLMModelAdapter, vllm_config: VllmConfig) -> None:
     """Refuse to start when re-rotated cached keys would not equal fresh keys: the model's
     positional encoding is not what the re-rotation assumes.
 
@@ -52,7 +55,7 @@ def check_rerotation(model: VLLMModelAdapter, vllm_config: Any) -> None:
 
 
 def verify_on_start(
-    model: VLLMModelAdapter, vllm_config: Any, settings: ConnectorSettings, ops: Ops
+    model: VLLMModelAdapter, vllm_config: VllmConfig, settings: ConnectorSettings, ops: Ops
 ) -> None:
     """``verify_on_start``: the model checks of ``lmcache-backend verify``, logged once."""
     from transformers import AutoTokenizer

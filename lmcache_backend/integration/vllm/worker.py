@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,11 @@ from lmcache_backend.ops import Ops, get_ops
 from lmcache_backend.ops.device import detect_platform
 from lmcache_backend.storage import create_store
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from lmcache_backend.compat.profile import VllmProfile
+
 logger = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -57,8 +62,8 @@ class WorkerSide:
     def __init__(
         self,
         settings: ConnectorSettings,
-        vllm_config: Any,
-        profile: Any,
+        vllm_config: VllmConfig,
+        profile: VllmProfile,
         platform: str | None = None,
     ) -> None:
         """``platform``: whose cache layout to expect (``"cuda"``, ``"npu"``, ``"cpu"``);

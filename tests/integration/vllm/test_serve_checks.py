@@ -29,11 +29,12 @@ STORE = 5e9
 def test_an_unset_kv_cache_gets_half_of_what_is_free_and_says_so() -> None:
     settings, message = cpu_kv_cache([], {}, MACHINE, WEIGHTS, STORE)
     spare = 20 * GIB - WEIGHTS - STORE - serve_checks.PROCESS_RESERVE_BYTES
-    assert settings == {KV_SPACE_ENV: str(int(spare / 2 // GIB))} == {KV_SPACE_ENV: "6"}
+    assert settings == {"vllm_cpu_kvcache_space": int(spare / 2 // GIB)}
+    assert settings == {"vllm_cpu_kvcache_space": 6}
     assert message and "using 6 GiB" in message and f"set {KV_SPACE_ENV}" in message
     # a busier machine gets less, never less than 1 GiB
     small = Memory(total=24 * GIB, available=int(5.5 * GIB))
-    assert cpu_kv_cache([], {}, small, WEIGHTS, 0.0)[0] == {KV_SPACE_ENV: "1"}
+    assert cpu_kv_cache([], {}, small, WEIGHTS, 0.0)[0] == {"vllm_cpu_kvcache_space": 1}
 
 
 def test_no_room_for_a_kv_cache_is_refused_naming_the_numbers() -> None:
@@ -99,7 +100,7 @@ def test_preflight_reads_the_users_connector_config(tmp_path, monkeypatch) -> No
         preflight(argv({"blend_check_layers": [9]}))
     # stats_file is the connector's own key, not a configuration key
     settings, message = preflight(argv({"blend_check_layers": [1], "stats_file": "s.jsonl"}))
-    assert set(settings) == {KV_SPACE_ENV} and message  # this machine has no GPU
+    assert set(settings) == {"vllm_cpu_kvcache_space"} and message  # this machine has no GPU
     # the connector's own keys are checked too, before vLLM starts
     with pytest.raises(ConfigError, match=r"selected_attention \(from kv_connector_extra_config\)"):
         preflight(argv({"selected_attention": "fast"}))

@@ -76,10 +76,8 @@ def test_blend_layers_per_step_defaults_to_auto(settings_for) -> None:
 
 
 def test_auto_slicing_only_where_async_loads_were_checked(settings_for) -> None:
-    from lmcache_backend.integration.vllm.connector import (
-        SLICED_VERIFIED_RELEASE,
-        _resolve_auto_slicing,
-    )
+    from lmcache_backend.compat.vllm import SLICED_VERIFIED_RELEASE
+    from lmcache_backend.integration.vllm.connector import _resolve_auto_slicing
 
     auto = settings_for()
     checked = SimpleNamespace(sliced_loads=True, release=SLICED_VERIFIED_RELEASE)
