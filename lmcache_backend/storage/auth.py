@@ -70,6 +70,6 @@ class EntryAuth:
         return entry
 
 
-def is_sealed(value: bytes) -> bool:
+def is_sealed(value: bytes | memoryview) -> bool:
     """Whether ``value`` is a sealed entry (with a tag, valid or not)."""
     return len(value) >= len(MAGIC) + TAG_BYTES and value[: len(MAGIC)] == MAGIC
