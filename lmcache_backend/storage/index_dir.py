@@ -230,8 +230,8 @@ def remove(folder: str, force: bool = False) -> bool:
 
 def remove_stale(parent: str, keep: str | None = None) -> list[str]:
     """Remove the index folders in ``parent`` whose owning process no longer runs (left by a
-    SIGKILL or a crash); returns them. Only this user's folders with an owner record are
-    touched."""
+    SIGKILL or a crash); returns them. Only this user's folders with an owner record (or, half
+    removed, the shared-memory record written after it) are touched."""
     removed = []
     try:
         entries = list(os.scandir(parent))
@@ -247,7 +247,13 @@ def remove_stale(parent: str, keep: str | None = None) -> list[str]:
         except OSError:
             continue
         owner = _read_owner(path)
-        if owner is None or _owner_alive(owner):
+        if owner is None:
+            # half removed: a cleanup that did not know the shared-memory record (an older
+            # release) deleted the owner record and left the folder; claimed folders always
+            # have both, the owner written first
+            if not os.path.exists(os.path.join(path, shm_leftovers.RECORD_FILE)):
+                continue
+        elif _owner_alive(owner):
             continue
         shm_leftovers.remove_recorded(path)
         if remove(path, force=True):

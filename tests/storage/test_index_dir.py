@@ -262,3 +262,18 @@ def test_a_segment_a_running_process_maps_is_kept(tmp_path) -> None:
     finally:
         segment.close()
         segment.unlink()
+
+
+def test_a_half_removed_folder_is_finished(tmp_path) -> None:
+    """A folder whose owner record an older cleanup removed, leaving the shared-memory record
+    it did not know: removed by the next start; a folder with neither record is not ours."""
+    from lmcache_backend.storage import shm_leftovers
+
+    parent = tmp_path / "base" / "index"
+    half = parent / "half"
+    half.mkdir(parents=True, mode=0o700)
+    (half / shm_leftovers.RECORD_FILE).write_text("")
+    foreign = parent / "not-ours"
+    foreign.mkdir()
+    FileSegmentIndex(parent / "next", default_location=True)
+    assert not half.exists() and foreign.exists()
