@@ -95,7 +95,12 @@ def _tokenizer_json(vocab_size: int) -> dict:
             "type": "Sequence",
             "pretokenizers": [
                 {"type": "WhitespaceSplit"},
-                {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": "."},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
             ],
         },
         "post_processor": None,
@@ -127,3 +132,12 @@ def write_folder(folder: Path, shape: str, max_len: int) -> Path:
 def context_length(longest_prompt: int, answer: int = 16) -> int:
     """``max_model_len`` for prompts up to ``longest_prompt`` tokens: the next power of two."""
     return 1 << math.ceil(math.log2(longest_prompt + answer))
+
+
+def char_id(character: str) -> int:
+    """The id the tokenizer gives ``character``."""
+    return len(_SPECIAL) + CHARACTERS.index(character)
+
+
+#: the ids of the connector's default separator ``" # # "`` with this tokenizer
+SEPARATOR_IDS = [char_id("#"), char_id("#")]

@@ -21,10 +21,11 @@ import sys
 import types
 from typing import Any
 
-#: the device the stand-in reports: an H100's compute capability and memory
+#: the device the stand-in reports: an H100's compute capability; memory a CPU can hold (vLLM
+#: allocates its KV-cache pool as a share of it)
 CAPABILITY = (9, 0)
-TOTAL_MEMORY = 80 << 30
-FREE_MEMORY = 79 << 30
+TOTAL_MEMORY = 2 << 30
+FREE_MEMORY = (2 << 30) - (64 << 20)
 NAME = "CPU standing in for an NVIDIA GPU"
 
 
@@ -123,7 +124,8 @@ def _patch_torch() -> None:
 
 
 def _patch_triton() -> None:
-    """vLLM disables Triton unless exactly one Triton driver is active; the interpreter needs none."""
+    """vLLM turns Triton off unless exactly one Triton driver is active (the interpreter
+    needs none)."""
     from triton.backends import backends
 
     nvidia = backends.get("nvidia")
@@ -240,3 +242,9 @@ def install() -> None:
     from vllm.v1.worker import gpu_worker
 
     gpu_worker.Worker.init_device = _init_device
+    # lmcache-backend asks vLLM's platform which code path to take: the CUDA one, as on a GPU
+    # (the platform's device_type says "cpu" only because its tensors live there)
+    from lmcache_backend.ops import device
+
+    device.engine_platform = lambda: "cuda"
+    device.detect_platform = lambda: "cuda"

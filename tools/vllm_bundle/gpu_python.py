@@ -71,7 +71,9 @@ def top_level_entries(dist: md.Distribution) -> set[str]:
 
 
 def site_packages(venv: Path) -> Path:
-    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    return (
+        venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    )
 
 
 def build(venv: Path) -> Path:
