@@ -97,17 +97,17 @@ class Prompts:
     """RAG prompts of random token ids: a system part, chunks, a question, separated by the
     separator's ids (the tokenizer's ``#`` twice)."""
 
-    def __init__(self, vocab: int, separator: list[int], seed: int = 0) -> None:
+    def __init__(self, vocab: int, separator: list[int], seed: int = 0, chunk: int = CHUNK) -> None:
         self.rng = random.Random(seed)
-        self.vocab, self.separator = vocab, separator
+        self.vocab, self.separator, self.chunk = vocab, separator, chunk
 
     def ids(self, n: int) -> list[int]:
         return [self.rng.randrange(vllm_model.FIRST_FREE_ID, self.vocab) for _ in range(n)]
 
     def rag(self, size: int, rounds: int) -> tuple[list[int], list[list[int]]]:
         """The warm prompt (chunks in order) and ``rounds`` reordered ones with new questions."""
-        n = max(2, (size - SYSTEM - QUESTION) // (CHUNK + len(self.separator)))
-        system, chunks = self.ids(SYSTEM), [self.ids(CHUNK) for _ in range(n)]
+        n = max(2, (size - SYSTEM - QUESTION) // (self.chunk + len(self.separator)))
+        system, chunks = self.ids(SYSTEM), [self.ids(self.chunk) for _ in range(n)]
 
         def prompt(order: list[int]) -> list[int]:
             out = list(system)
@@ -232,7 +232,7 @@ def _count(stats: str) -> int:
     return len(read_records(stats, left_to_vllm=True))
 
 
-def run(shape: str, sizes: list[int], repeats: int, work: Path) -> list[dict]:
+def run(shape: str, sizes: list[int], repeats: int, work: Path, chunk: int = CHUNK) -> list[dict]:
     """Every part in order; a failing part is recorded and the ones that need its engine are
     skipped (their results say so)."""
     os.environ.update(ENGINE_ENV)
@@ -250,7 +250,7 @@ def run(shape: str, sizes: list[int], repeats: int, work: Path) -> list[dict]:
     from lmcache_backend.integration.vllm import kv_transfer_config
 
     vocab = vllm_model.SHAPES[shape]["vocab_size"]
-    prompts = Prompts(vocab, vllm_model.SEPARATOR_IDS, seed=1)
+    prompts = Prompts(vocab, vllm_model.SEPARATOR_IDS, seed=1, chunk=chunk)
     rag = {size: prompts.rag(size, repeats + 2) for size in sizes}
     longest = max(len(p) for warm, asked in rag.values() for p in [warm, *asked])
     max_len = vllm_model.context_length(longest)
@@ -346,13 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(vllm_model.SHAPES), default="llama-3.1-8b")
     parser.add_argument("--sizes", default="2000,8000,32000")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=CHUNK, help="tokens per RAG chunk")
     parser.add_argument("--json", required=True)
     parser.add_argument("--work", help="folder for the model folders and the stats file")
     args = parser.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="vllm-step-"))
     sizes = [int(s) for s in args.sizes.split(",") if s]
     try:
-        results = run(args.shape, sizes, args.repeats, work)
+        results = run(args.shape, sizes, args.repeats, work, args.chunk)
     except Exception as exc:  # noqa: BLE001 - e.g. vLLM does not import: one line, not a wall
         results = [failure("import vLLM", exc)]
     with open(args.json, "w", encoding="utf-8") as fh:

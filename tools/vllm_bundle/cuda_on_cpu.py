@@ -107,6 +107,7 @@ def _patch_torch() -> None:
         multi_processor_count=132,
         is_integrated=False,
         L2_cache_size=50 << 20,
+        gcnArchName="",
     )
     acc = torch.accelerator
     acc.device_count = lambda: 1
