@@ -22,7 +22,7 @@ CHILD = "lmcache_backend.hardware.vllm_engine"
 #: the sizes of the step's timed prompts, tokens
 DEFAULT_SIZES = (2000, 8000, 32000)
 #: the child's limit, seconds: the whole device call must stay within 8 minutes
-TIMEOUT = 420
+TIMEOUT = 390
 
 
 def command(shape: str, sizes: list[int], repeats: int, out: Path, work: Path) -> list[str]:
