@@ -14,7 +14,7 @@
 #                 compiled extensions and its start-up dependencies (cp312 wheels), under 64 MiB,
 #                 for `hardware-check --steps vllm` on a GPU machine without vLLM (docs/hardware.md)
 # make vllm-rehearsal  that step rehearsed on this CPU (a venv with only the GPU machine's packages,
-#                 a CPU standing in for the GPU, a tiny Llama; about 10 min on 2 cores)
+#                 a CPU standing in for the GPU, a tiny Llama; about 3 min on 2 cores)
 # make gpu-check-vllm  on the GPU machine, with .cache/vllm-bundle carried there: the vllm step
 # make npu-check  the same on an Ascend NPU in .venv-npu (vllm-ascend, the vLLM it pins, torch-npu);
 #                 CANN must be installed and sourced first (docs/ascend.md)

@@ -50,8 +50,9 @@ def row(result: dict, model: str) -> Row:
     if part == "agreement":
         one, default = result["ratio 1.0"], result["default"]
         text = (
-            f"{result['tokens']:,} tokens, last-token logits ({one['vocab']:,}) against the same "
-            f"engine's full prefill: ratio 1.0 rel. error {one['rel_err']:.1e}, KL "
+            f"{result['tokens']:,} tokens, {result.get('dtype', 'bfloat16')}, last-token logits "
+            f"({one['vocab']:,}) against the same engine's full prefill: ratio 1.0 rel. error "
+            f"{one['rel_err']:.1e} (limit {result.get('limit', 0.1):g}), KL "
             f"{one['kl']:.1e}, top-1 {'agrees' if one['top1_agrees'] else 'differs'}"
             f"{'' if one['blended'] else ', NOT blended: ' + str(one['why_not'])}; default ratio "
             f"rel. error {default['rel_err']:.1e}, KL {default['kl']:.1e}, top-1 "

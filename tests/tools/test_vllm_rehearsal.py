@@ -33,7 +33,8 @@ def test_vllm_026_serves_and_blends_through_its_gpu_model_runner_on_cpu(tmp_path
     out = tmp_path / "rehearsal.json"
     done = subprocess.run(
         [str(REHEARSAL / "venv" / "bin" / "python"), "tools/vllm_bundle/rehearse.py"]
-        + ["--sizes", "300", "--chunk", "96", "--repeats", "1", "--json", str(out)],
+        + ["--sizes", "300", "--chunk", "96", "--repeats", "1", "--dtype", "float32"]
+        + ["--json", str(out)],
         cwd=REPO_ROOT,
         env=vllm_bundle.child_env(site, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}),
         capture_output=True,
@@ -50,6 +51,9 @@ def test_vllm_026_serves_and_blends_through_its_gpu_model_runner_on_cpu(tmp_path
         "agreement",
         "time: 300 tokens",
     ]
-    one = results["agreement"]["ratio 1.0"]
-    assert one["blended"] and one["top1_agrees"], one
+    # in fp32 the blend recomputing every token is vLLM's own prefill up to summation order;
+    # the default ratio reuses reordered chunks: not the same numbers
+    one, default = results["agreement"]["ratio 1.0"], results["agreement"]["default"]
+    assert one["blended"] and one["top1_agrees"] and one["rel_err"] < 1e-4, one
+    assert default["blended"] and default["rel_err"] > 1e-3, default
     assert results["time: 300 tokens"]["blended"] == "1/1"
