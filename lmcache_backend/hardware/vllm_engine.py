@@ -46,8 +46,9 @@ ENGINE_ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: the engine core runs in this one
 }
-#: the connector's settings, as users set them
-USER_ENV = {"LMCACHE_ENABLE_BLENDING": "true"}
+#: the connector's settings, as users set them: blending on, and room on the host for a 32k
+#: prompt's chunks (4 GiB of bf16 K/V at this shape) next to the shorter prompts'
+USER_ENV = {"LMCACHE_ENABLE_BLENDING": "true", "LMCACHE_MAX_LOCAL_CPU_SIZE": "16"}
 #: RAG prompt shape of ``--steps blend`` (benchmarks/device_blend_setup.py): tokens
 CHUNK, SYSTEM, QUESTION = 512, 64, 32
 #: the weights' spread (transformers' initializer_range for Llama)
@@ -81,9 +82,10 @@ def engine_kwargs(
         "disable_log_stats": False,
     }
     if smoke:
-        kwargs["gpu_memory_utilization"] = 0.1
+        # a small KV-cache pool, so that the next engine in this process finds the device free
+        kwargs["kv_cache_memory_bytes"] = 256 << 20
     else:
-        kwargs.update(logprobs_mode="raw_logits", max_logprobs=-1)
+        kwargs.update(logprobs_mode="raw_logits", max_logprobs=-1, gpu_memory_utilization=0.85)
     return kwargs
 
 
@@ -134,15 +136,17 @@ def redraw_weights(worker: Any, seed: int = 0, std: float = WEIGHT_STD) -> int:
     import torch
 
     model = worker.model_runner.model
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     count = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-                param.copy_(values.to(param.dtype))
+            else:  # drawn where the weight lives: 8B values drawn on a CPU would take minutes
+                gen = gens.setdefault(
+                    param.device, torch.Generator(device=param.device).manual_seed(seed)
+                )
+                param.normal_(0.0, std, generator=gen)
             count += 1
     return count
 
@@ -218,7 +222,18 @@ def smoke_stock(work: Path) -> dict:
     got = ask(llm, Prompts(vllm_model.TINY["vocab_size"], vllm_model.SEPARATOR_IDS).ids(200), None)
     llm.llm_engine.engine_core.shutdown()
     del llm
+    _release_device()
     return {"part": "smoke: ExampleConnector", "ok": True, "start_s": up, **_short(got)}
+
+
+def _release_device() -> None:
+    """Give the device's memory back before the next engine measures what is free."""
+    import gc
+
+    gc.collect()
+    acc = _accelerator()
+    if acc is not None:
+        acc.empty_cache()
 
 
 def _short(got: dict) -> dict:
@@ -256,6 +271,7 @@ def run(
         results.append(smoke_stock(work))
     except Exception as exc:  # noqa: BLE001 - recorded as the part's row
         results.append(failure("smoke: ExampleConnector", exc))
+    _release_device()
 
     from vllm import LLM
     from vllm.config import KVTransferConfig
