@@ -45,6 +45,9 @@ ENGINE_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",  # V2 needs the extension's get_cuda_view_from_cpu_tensor
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: the engine core runs in this one
+    # the GPU machine has no network: no usage report, no hub look-ups (the folders are local)
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
 }
 #: the connector's settings, as users set them: blending on, and room on the host for a 32k
 #: prompt's chunks (4 GiB of bf16 K/V at this shape) next to the shorter prompts'
