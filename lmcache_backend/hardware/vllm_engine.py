@@ -92,11 +92,21 @@ def engine_kwargs(
     return kwargs
 
 
+#: the bundle's stand-ins: a failure is placed at vLLM's line that called them
+_STAND_INS = ("_C_stable_libtorch.py", "_vllm_fa2_C.py")
+
+
 def failure(part: str, exc: BaseException) -> dict:
-    """One line naming the missing piece: the exception's last frame in vLLM and its message."""
+    """One line naming the missing piece: the exception, its message and the last line of vLLM's
+    own code it passed through."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = next(
-        (f for f in reversed(frames) if "vllm" in f.filename), frames[-1] if frames else None
+        (
+            f
+            for f in reversed(frames)
+            if "/vllm/" in f.filename and not f.filename.endswith(_STAND_INS)
+        ),
+        frames[-1] if frames else None,
     )
     at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
     return {"part": part, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:400] + at}

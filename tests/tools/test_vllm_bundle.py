@@ -154,3 +154,25 @@ def test_a_failed_part_names_the_missing_piece_and_numbers_read_as_rows():
     }
     row = vllm_step.row(timed, "m")
     assert row.result == PASS and "0.50x" in row.measurement and "3/3 blended" in row.measurement
+
+
+def test_a_failure_is_placed_at_vllms_line_that_called_the_stand_in():
+    from lmcache_backend.hardware.vllm_engine import failure
+
+    ns: dict = {}
+    exec(
+        compile(
+            "def op():\n    raise RuntimeError('no kernel')\n",
+            "/s/vllm/_C_stable_libtorch.py",
+            "exec",
+        ),
+        ns,
+    )  # noqa: E501
+    exec(
+        compile("def forward(op):\n    return op()\n", "/s/vllm/model_executor/norm.py", "exec"), ns
+    )  # noqa: E501
+    try:
+        ns["forward"](ns["op"])
+    except RuntimeError as exc:
+        got = failure("smoke", exc)
+    assert got == {"part": "smoke", "ok": False, "error": "RuntimeError: no kernel at norm.py:2"}
