@@ -12,6 +12,12 @@
 # make gpu-check-offline  on an NVIDIA GPU machine that has torch, triton and transformers but no
 #                 vLLM and no network: the package installed in place into that Python, then
 #                 every step that needs no engine (the steps that start vLLM say so in the table)
+# make vllm-bundle  build .cache/vllm-bundle from PyPI: vLLM 0.26.0's Python files, stand-ins for its
+#                 compiled extensions and its start-up dependencies (cp312 wheels), under 64 MiB,
+#                 for `hardware-check --steps vllm` on a GPU machine without vLLM (docs/hardware.md)
+# make vllm-rehearsal  that step rehearsed on this CPU (a venv with only the GPU machine's packages,
+#                 a CPU standing in for the GPU, a tiny Llama; about 3 min on 2 cores)
+# make gpu-check-vllm  on the GPU machine, with .cache/vllm-bundle carried there: the vllm step
 # make npu-check  the same on an Ascend NPU in .venv-npu (vllm-ascend, the vLLM it pins, torch-npu);
 #                 CANN must be installed and sourced first (docs/ascend.md)
 
@@ -24,7 +30,7 @@ export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test bench bench-load lint typecheck install clean gpu-check gpu-check-offline npu-check \
-	hardware-dry-run
+	hardware-dry-run vllm-bundle vllm-rehearsal gpu-check-vllm
 
 # The newest vLLM release with a code path here (lmcache_backend/compat/vllm.py); another one:
 # make gpu-check VLLM_VERSION=0.28.0
@@ -126,6 +132,18 @@ gpu-check: $(GPU_STAMP)
 gpu-check-offline:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PYTHON) -m lmcache_backend hardware-check --device cuda --workers 14 --out $(HARDWARE_OUT)
+
+vllm-bundle: $(STAMP)
+	$(PY) tools/build_vllm_bundle.py
+
+vllm-rehearsal: vllm-bundle
+	$(PY) tools/build_vllm_bundle.py --rehearsal
+	$(PY) -m pytest -q tests/tools/test_vllm_rehearsal.py
+
+# About 5 min on one H100 (estimated: not run yet); the bundle must be in .cache/vllm-bundle.
+gpu-check-vllm:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PYTHON) -m lmcache_backend hardware-check --device cuda --steps vllm --out $(HARDWARE_OUT)
 
 npu-check: $(NPU_STAMP)
 	$(NPU_PY) -m lmcache_backend hardware-check --device npu --out $(HARDWARE_OUT)

@@ -145,6 +145,10 @@ REGISTRY = "lmcache_backend/settings/"
 NOT_SETTINGS = {
     # adds the interpreter's scripts folder to PATH so that torch finds the `ninja` it runs
     ("backends/cpu/tiled_attention.py", "PATH"),
+    # Triton's own switch to its interpreter, for the CPU rehearsal of the GPU machine's vLLM
+    ("tools/vllm_bundle/cuda_on_cpu.py", "TRITON_INTERPRET"),
+    # huggingface_hub's switch off the network, for the GPU machine, which has none
+    ("lmcache_backend/hardware/vllm_engine.py", "HF_HUB_OFFLINE"),
 }
 #: ranges checked outside the registry that are no setting's, each with its reason
 OWN_RANGES = {

@@ -9,7 +9,9 @@ Steps, one module each:
 3. :mod:`.verify_runs`: ``verify`` through vLLM with tiny bf16 models, per attention backend,
    eager and with graphs;
 4. :mod:`.long_prompts` (model folder and prompts in :mod:`.llama8b`): a Llama-3.1-8B-shaped
-   model with dummy weights at ~8k and ~32k tokens, TTFT and peak memory against full prefill.
+   model with dummy weights at ~8k and ~32k tokens, TTFT and peak memory against full prefill;
+5. :mod:`.vllm_step` (child :mod:`.vllm_engine`, model folders :mod:`.vllm_model`, bundle
+   :mod:`.vllm_bundle`): vLLM 0.26.0's engine from a carried bundle on a machine without vLLM.
 
 :mod:`.probe` reads the device, versions and attention backends in a child process,
 :mod:`.children` runs the children, :mod:`.table` prints the table and appends it to the file,

@@ -22,12 +22,13 @@ from lmcache_backend.hardware import (
     kernels,
     long_prompts,
     verify_runs,
+    vllm_step,
 )
 from lmcache_backend.hardware.children import python_module, repo_root, run_child, tail
 from lmcache_backend.hardware.table import FAIL, SKIPPED, Row, append_section, section
 from lmcache_backend.settings.writer import export
 
-STEPS = ("tests", "kernels", "blend", "verify", "8b")
+STEPS = ("tests", "kernels", "blend", "verify", "8b", "vllm")
 #: the steps that start a vLLM engine; where vLLM does not import they are not run (their rows
 #: say so) and the rest of the check still runs: it needs only torch, triton and transformers
 NEEDS_VLLM = {"verify": verify_runs.STEP, "8b": long_prompts.STEP}
@@ -62,6 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed rounds per prompt size (8B-shaped steps)"
+    )
+    parser.add_argument(
+        "--vllm-bundle",
+        help="the vllm step's bundle folder (default: .cache/vllm-bundle of the checkout; "
+        "`make vllm-bundle` builds it)",
+    )
+    parser.add_argument(
+        "--vllm-sizes",
+        default=",".join(map(str, vllm_step.DEFAULT_SIZES)),
+        help="prompt sizes of the vllm step, tokens",
     )
     parser.add_argument(
         "--workers",
@@ -135,6 +146,13 @@ def _blend(args: argparse.Namespace, info: dict, logs: Path, cache: Path) -> lis
     return device_blend.run(logs, sizes, args.repeats, args.dry_run)
 
 
+def _vllm(args: argparse.Namespace, info: dict, logs: Path, cache: Path) -> list[Row]:
+    if args.device == "npu":
+        return [Row(vllm_step.STEP, "every part", SKIPPED, "the bundle holds vLLM's CUDA build")]
+    sizes = [int(s) for s in args.vllm_sizes.split(",") if s]
+    return vllm_step.run(logs, args.vllm_bundle, sizes, args.repeats, args.dry_run)
+
+
 def _tests(args: argparse.Namespace, info: dict, logs: Path, cache: Path) -> list[Row]:
     return device_tests.run(args.device, logs, args.dry_run, args.workers)
 
@@ -145,6 +163,7 @@ _STEP_FUNCS: dict[str, Callable[[argparse.Namespace, dict, Path, Path], list[Row
     "blend": _blend,
     "verify": _verify,
     "8b": _long,
+    "vllm": _vllm,
 }
 
 

@@ -111,6 +111,33 @@ ENVIRONMENT_VARIABLES: tuple[Setting, ...] = (
         owner="vLLM",
     ),
     _variable(
+        "VLLM_USE_V2_MODEL_RUNNER",
+        p.optional(p.boolean(), "true or false"),
+        None,
+        "vLLM's second model runner; `hardware-check --steps vllm` turns it off (it needs a "
+        "compiled op the step's stand-in does not provide)",
+        default_doc="vLLM's",
+        owner="vLLM",
+    ),
+    _variable(
+        "VLLM_USE_FLASHINFER_SAMPLER",
+        p.optional(p.boolean(), "true or false"),
+        None,
+        "vLLM's FlashInfer sampling kernels; `hardware-check --steps vllm` turns them off "
+        "(Triton and torch sample instead)",
+        default_doc="vLLM's",
+        owner="vLLM",
+    ),
+    _variable(
+        "VLLM_NO_USAGE_STATS",
+        p.optional(p.boolean(), "true or false"),
+        None,
+        "stops vLLM's usage report; `hardware-check --steps vllm` sets it on a machine without "
+        "network",
+        default_doc="vLLM's (reports)",
+        owner="vLLM",
+    ),
+    _variable(
         "VLLM_ATTENTION_BACKEND",
         p.optional(p.text(allow_empty=False), "a name of vLLM's attention backend enum"),
         None,

@@ -109,6 +109,14 @@ class Variables(TypedDict, total=False):
     #: vLLM's engine core in a process of its own; `python -m lmcache_backend.bench.profile --ops`
     #: turns it off, so that the profiler sees the worker
     vllm_enable_v1_multiprocessing: bool | None
+    #: vLLM's second model runner; `hardware-check --steps vllm` turns it off (it needs a compiled
+    #: op the step's stand-in does not provide)
+    vllm_use_v2_model_runner: bool | None
+    #: vLLM's FlashInfer sampling kernels; `hardware-check --steps vllm` turns them off (Triton and
+    #: torch sample instead)
+    vllm_use_flashinfer_sampler: bool | None
+    #: stops vLLM's usage report; `hardware-check --steps vllm` sets it on a machine without network
+    vllm_no_usage_stats: bool | None
     #: vLLM's attention backend in releases that read the variable; the hardware check sets it for
     #: each backend it verifies
     vllm_attention_backend: str | None

@@ -46,7 +46,14 @@ def test_the_dry_run_prints_a_table_of_every_step(tmp_path: Path) -> None:
     by_step: dict[str, list[list[str]]] = {}
     for row in rows:
         by_step.setdefault(row[0], []).append(row)
-    assert list(by_step) == ["device tests", "kernels", "device blend", "verify", "8B config"]
+    assert list(by_step) == [
+        "device tests",
+        "kernels",
+        "device blend",
+        "verify",
+        "8B config",
+        "vLLM engine",
+    ]
     for step, case, result, measurement in rows:
         # no number stands in a dry run's table: every measured cell says so
         assert result in (DRY, SKIPPED), (step, case, result)
@@ -86,6 +93,17 @@ def test_the_dry_run_prints_a_table_of_every_step(tmp_path: Path) -> None:
     assert [c.split(": ")[1] for c in long] == ["full prefill", "CacheBlend"] * 2
     sizes = [int(c.split(" tokens")[0].replace(",", "")) for c in long[::2]]
     assert 7000 < sizes[0] < 9000 and 28000 < sizes[1] < 34000
+
+    # vLLM from the bundle: every part, or one row saying how to build the bundle
+    engine = by_step["vLLM engine"]
+    if engine[0][2] == SKIPPED:
+        assert len(engine) == 1 and "make vllm-bundle" in engine[0][3]
+    else:
+        assert [r[1] for r in engine][:3] == [
+            "smoke: ExampleConnector",
+            "smoke: CacheBlendConnector",
+            "agreement",
+        ]
 
     # the plumbing really ran: collected tests, the models' folders, the engine's arguments
     assert json.loads((logs / "device-tests.json").read_text())["collected"] > 100

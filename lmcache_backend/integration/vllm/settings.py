@@ -133,19 +133,7 @@ def load_settings(vllm_config: VllmConfig) -> ConnectorSettings:
     mc = vllm_config.model_config
     num_layers = int(mc.hf_text_config.num_hidden_layers)
     config.validate_for_model(num_layers)
-    tokenizer = _tokenizer(
-        str(mc.tokenizer), getattr(mc, "tokenizer_revision", None), bool(mc.trust_remote_code)
-    )
-    try:
-        separator = segment_pattern(
-            tokenizer,
-            config.blend_special_str,
-            config.blend_block_size,
-            config.blend_segmentation,
-        )
-    except ValueError as exc:
-        where = config.sources.get("blend_special_str", "default")
-        raise ENGINE["blend_special_str"].error(config.blend_special_str, where, str(exc)) from exc
+    separator = _pattern(config, mc)
     instance_id = own.pop("instance_id", None) or f"vllm-{kv.engine_id}"
     try:  # it names the index folder: a plain name, checked now rather than in the worker
         default_index_dir(instance_id)
@@ -162,6 +150,47 @@ def load_settings(vllm_config: VllmConfig) -> ConnectorSettings:
         **own,
         **_slicing(layers_per_step, vllm_config),
     )
+
+
+def _pattern(config: BlendConfig, mc: Any) -> SegmentPattern:
+    """The configured segment pattern. Only a separator needs the model's tokenizer (its ids are
+    derived from it); blocks need none, so a model vLLM serves without one (``skip_tokenizer_init``
+    with token-id prompts) can use them, and with ``auto`` such a model is cut in blocks only
+    (logged). A tokenizer that fails to load otherwise fails the start as before."""
+    segmentation, special = config.blend_segmentation, config.blend_special_str
+    if special == "" or segmentation == "blocks":
+        return segment_pattern(None, special, config.blend_block_size, segmentation)
+    try:
+        tokenizer = _tokenizer(
+            str(mc.tokenizer), getattr(mc, "tokenizer_revision", None), bool(mc.trust_remote_code)
+        )
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ...
+        if not getattr(mc, "skip_tokenizer_init", False):
+            raise
+        why = f"{mc.tokenizer} has no tokenizer (vLLM runs with skip_tokenizer_init)"
+        if segmentation == "separator":
+            where = config.sources.get("blend_segmentation", "default")
+            raise ENGINE["blend_segmentation"].error(
+                segmentation,
+                where,
+                f"a separator's token ids come from the model's tokenizer and {why}; "
+                "set blend_segmentation=blocks",
+            ) from None
+        logger.warning(
+            "CacheBlend: %s, so blend_special_str %r cannot be matched (%s: %s); prompts are cut "
+            "in blocks of %d tokens only, as with blend_segmentation=blocks",
+            why,
+            special,
+            type(exc).__name__,
+            shorten(str(exc), 120),
+            config.blend_block_size,
+        )
+        return segment_pattern(None, special, config.blend_block_size, "blocks")
+    try:
+        return segment_pattern(tokenizer, special, config.blend_block_size, segmentation)
+    except ValueError as exc:
+        where = config.sources.get("blend_special_str", "default")
+        raise ENGINE["blend_special_str"].error(special, where, str(exc)) from exc
 
 
 def _slicing(value: int | str, vllm_config: VllmConfig) -> dict[str, Any]:
