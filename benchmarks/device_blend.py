@@ -62,6 +62,7 @@ from device_blend_checks import (  # noqa: E402
     Reference,
     agreement,
     agrees,
+    counted,
     fp32_reference,
     gpu_profile,
     timing,
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace) -> dict:
         "agreement": [],
         "timing": [],
         "profile": [],
+        "counts": [],
     }
     checked = prompts[sizes[0]][1][0]  # every form blends this prompt
     ref = fp32_reference(model, shape, checked)
@@ -115,7 +117,28 @@ def run(args: argparse.Namespace) -> dict:
         del bench
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    result["stage_profile"] = stage_profile_of(result["timing"])
     return result
+
+
+def stage_profile_of(timings: list[dict]) -> dict:
+    """Fixed and per-token cost of the blend's phases (the host's time in each), of the whole
+    blend and of full prefill, from the timed sizes' medians
+    (:mod:`lmcache_backend.bench.stage_profile`)."""
+    from lmcache_backend.bench.stage_profile import stage_profile
+
+    by_length = {}
+    first = timings[0].get("host_load") if timings else None
+    for entry in timings:
+        if entry.get("host_load") != first:  # one load mode: the first
+            continue
+        s = summary(entry)
+        by_length[s["tokens"]] = {
+            **s["phases_ms"],
+            "CacheBlend (blend + question)": s["blend_ms"],
+            "full prefill": s["full_ms"],
+        }
+    return stage_profile(by_length)
 
 
 def _one_form(
@@ -140,10 +163,22 @@ def _one_form(
                 entry.update(form=bench.form.id, tokens=len(checked), stored=stored)
                 result["agreement"].append(entry)
                 print(json.dumps(entry), flush=True)
-        if first and args.repeats > 0:
-            entry = {"form": bench.form.id, "tokens": len(asked[0]), "runs": timing(bench, asked)}
+        for mode in args.host_load.split(",") if first and args.repeats > 0 else ():
+            # how the hits reach the GPU layer by layer (blend/layer_load.py)
+            bench.worker.loads.blender.host_load = mode
+            entry = {
+                "form": bench.form.id,
+                "tokens": len(asked[0]),
+                "host_load": mode,
+                "runs": timing(bench, asked),
+            }
             result["timing"].append(entry)
             print(json.dumps(summary(entry)), flush=True)
+        bench.worker.loads.blender.host_load = args.host_load.split(",")[0]
+        if first and args.count:
+            item = {"tokens": len(asked[-1]), **counted(bench, asked[-1])}
+            result["counts"].append(item)
+            print(json.dumps(item), flush=True)
         if first and args.profile and args.device == "cuda":
             last = asked[-1]
             item = {
@@ -163,6 +198,7 @@ def summary(entry: dict) -> dict:
     return {
         "form": entry["form"],
         "tokens": entry["tokens"],
+        "host_load": entry.get("host_load", "staged"),
         "rounds": len(full),
         "full_ms": full_ms,
         "blend_ms": blend_ms,
@@ -178,6 +214,11 @@ def summary(entry: dict) -> dict:
         "blend_extra_gib": statistics.median(r["extra"] for r in blend) / GIB,
         "recompute_fraction": statistics.mean(r["recompute_fraction"] for r in blend),
         "token_layer_fraction": statistics.mean(r["token_layer_fraction"] for r in blend),
+        # the host's milliseconds per phase of the blend (medians; the device may still run)
+        "phases_ms": {
+            name: statistics.median(r["phases_ms"].get(name, 0.0) for r in blend)
+            for name in sorted({k for r in blend for k in r.get("phases_ms", {})})
+        },
     }
 
 
@@ -194,6 +235,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile",
         action="store_true",
         help="one more blend and full prefill per size under torch's profiler (GPU only)",
+    )
+    parser.add_argument(
+        "--host-load",
+        default="staged",
+        help="how the hits in host memory reach the GPU, timed in turn: staged (one copy per "
+        "layer from a staging buffer) and/or direct (a copy per hit); the first also serves "
+        "the agreement, profile and counts",
+    )
+    parser.add_argument(
+        "--count",
+        action="store_true",
+        help="one more blend and full prefill per size under the launch counter: kernel "
+        "launches and host-device syncs (lmcache_backend/bench/launch_count.py)",
     )
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)

@@ -188,6 +188,7 @@ class Bench:
             separator=SEPARATOR,
             stats_file=None,
             allow_untested_versions=False,
+            time_phases=True,  # the host's time per phase of the blend (the stage profile)
         )
         profile = SimpleNamespace(kv_transfer_after_model_load=False)
         stand_in = engine_stand_in(names, form.name, cfg.vocab_size)
@@ -241,6 +242,7 @@ class Bench:
             "extra": peak - resting,
             "recompute_fraction": record.recompute_fraction,
             "token_layer_fraction": record.token_layer_fraction,
+            "phases_ms": dict(record.phases_ms or {}),
         }
 
     def blended_kv(self, asked: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

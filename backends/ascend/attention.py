@@ -161,16 +161,18 @@ def paged_attention_at_positions(
     block_table: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
+    *,
+    key_end: int | None = None,
 ) -> torch.Tensor:
     """``attention_at_positions`` over the request's rows of a paged cache (``[num_blocks,
-    block_size, Hkv, D]`` each): the rows ``0..max(q_positions)`` are gathered through the block
-    table with this backend's ``paged_kv_read`` (one layer's rows, freed after the call), then
-    attended with the fused operator."""
+    block_size, Hkv, D]`` each): the rows ``0..key_end-1`` (default ``0..max(q_positions)``) are
+    gathered through the block table with this backend's ``paged_kv_read`` (one layer's rows,
+    freed after the call), then attended with the fused operator."""
     from lmcache_backend.backends.ascend.paged_kv import paged_kv_read
 
     return attention_over_gathered_rows(
         q, key_cache, value_cache, block_table, q_positions, scale, paged_kv_read,
-        attention_at_positions,
+        attention_at_positions, key_end,
     )  # fmt: skip
 
 
@@ -181,6 +183,8 @@ def verify_paged_attention_at_positions(
     block_table: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
+    *,
+    key_end: int | None = None,
 ) -> str | None:
     """Reason to leave a call to the reference (tensors not on an NPU, caches that are not
     vllm-ascend's contiguous ``[num_blocks, block_size, H, D]``), or None."""

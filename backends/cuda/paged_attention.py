@@ -152,14 +152,17 @@ def paged_attention_at_positions(
     q_positions: torch.Tensor,
     scale: float,
     *,
+    key_end: int | None = None,
     tiling: AttentionTiling | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [Nq, Hq, D]`` at ``q_positions [Nq]`` over the request's rows of
     ``key_cache``/``value_cache`` (``[num_blocks, block_size, Hkv, D]``, any strides with a
     contiguous last dim) found through ``block_table [nb]``; the query at position ``p`` attends
     keys ``0..p``. Returns ``[Nq, Hq, Dv]`` in ``q.dtype`` (fp32 softmax and accumulation).
-    ``tiling`` (keyword only; benchmarks): how to tile the launch, default
-    :func:`~.attention_tiling.default_paged_tiling` (``tma`` does not apply here)."""
+    ``key_end`` (keyword): a host bound on the positions + 1, for the verifier (each row reads
+    its own keys whatever it is). ``tiling`` (keyword only; benchmarks): how to tile the
+    launch, default :func:`~.attention_tiling.default_paged_tiling` (``tma`` does not apply
+    here)."""
     num_q, num_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = value_cache.shape[2], value_cache.shape[3]
     out = torch.empty(num_q, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
@@ -219,10 +222,14 @@ def verify_paged_attention_at_positions(
     block_table: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
+    *,
+    key_end: int | None = None,
 ) -> str | None:
     """Reason to leave a call to the reference, or ``None`` when the kernel serves it: the
     contiguous kernel's conditions on one block's rows (dtypes, heads, head dims, positions,
-    device), then the paged ones (a contiguous head dim, a block table covering the queries)."""
+    device), then the paged ones (a contiguous head dim, a block table covering the queries:
+    checked against ``key_end`` where the caller gives it, else against the positions, which
+    reads them back from the device)."""
     if q.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:
         return "q must be [N, H, D] and the caches [num_blocks, block_size, H, D]"
     if key_cache.shape[:3] != value_cache.shape[:3]:
@@ -237,7 +244,11 @@ def verify_paged_attention_at_positions(
     reason = index_reason("block_table", block_table)
     if reason:
         return reason
-    if q_positions.numel() and int(q_positions.max()) >= block_table.numel() * key_cache.shape[1]:
+    covered = block_table.numel() * key_cache.shape[1]
+    if key_end is not None:
+        if key_end > covered:
+            return "q_positions reach past the block table"
+    elif q_positions.numel() and int(q_positions.max()) >= covered:
         return "q_positions reach past the block table"
     return None
 

@@ -10,7 +10,9 @@ CacheBlend connector (``time_phases: true``, prefix caching off) and, per prompt
    CacheBlend at each ``--ratios``, interleaved;
 3. prints the medians of the time to first token (a one-token request, as a client sees it), each
    strategy's ratio to full prefill, the marginal cost of a recomputed token-layer, and the blend
-   path's phases (from the worker's timers) for the first CacheBlend ratio;
+   path's phases (from the worker's timers) for the first CacheBlend ratio; with several sizes,
+   the stage profile: each phase's (and each strategy's) fixed cost and cost per 1,000 tokens
+   (:mod:`~lmcache_backend.bench.stage_profile`);
 4. with ``--ops N``, runs one more such request under ``torch.profiler`` and prints its ``N``
    costliest operators by input shape (the engine then runs in this process, so the profiler
    sees the worker: the blend, vLLM's forward of the question and sampling).
@@ -32,6 +34,7 @@ import statistics
 import tempfile
 import time
 
+from lmcache_backend.bench.stage_profile import describe
 from lmcache_backend.blend.segmenting import PROMPT_SHAPES
 from lmcache_backend.settings.arguments import setting_type
 from lmcache_backend.settings.writer import STARTED_ENGINE, export
@@ -229,10 +232,27 @@ def main(argv: list[str] | None = None) -> None:
             row["ops"] = _operators(request, args.ops)
         results.append(row)
         _print(row, profiled)
+    if len(results) > 1:
+        stages = stage_profile_of(results)
+        print(f"\n== stage profile ({profiled}'s phases; every strategy's TTFT)")
+        known = [name for name, _ in PHASES]
+        for text in describe(stages, order=[name for name, _ in modes] + known):
+            print(f"  {text}")
+        results.append({"stage_profile": stages})
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
     llm.llm_engine.engine_core.shutdown()
+
+
+def stage_profile_of(rows: list[dict]) -> dict:
+    """Each strategy's TTFT and each profiled phase split into fixed and per-1k-token cost,
+    from the sizes' medians."""
+    from lmcache_backend.bench.stage_profile import stage_profile
+
+    return stage_profile(
+        {row["prompt_tokens"]: {**row["ttft_ms"], **row.get("phases_ms", {})} for row in rows}
+    )
 
 
 class PeakMemory:

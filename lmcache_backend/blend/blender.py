@@ -38,6 +38,7 @@ from lmcache_backend.blend.cached_kv import LayerStream
 from lmcache_backend.blend.compute import BlendCompute, ScoreReducer
 from lmcache_backend.blend.engine_side import KVTarget, as_target
 from lmcache_backend.blend.layer_blend import blend_layer_kv
+from lmcache_backend.blend.layer_load import STAGED
 from lmcache_backend.blend.layers import run_layers
 from lmcache_backend.blend.planning import plan_request
 from lmcache_backend.blend.preview import preview_selection
@@ -118,6 +119,9 @@ class LMCBlender:
         )
         #: the phase timer of calls that bring none (:mod:`~lmcache_backend.blend.timing`)
         self.timer = NO_TIMER
+        #: how a streamed request's hits in host memory reach the device, layer by layer:
+        #: ``staged`` or ``direct`` (:mod:`~lmcache_backend.blend.layer_load`; benchmarks compare)
+        self.host_load = STAGED
 
     @property
     def ops(self) -> Ops:
@@ -194,15 +198,20 @@ class LMCBlender:
         timer.mark()
         meta = self._plan(request, timer)
         if target.streams_layers and meta.task is not None:
-            meta.stream = LayerStream(meta, self.compute, target)
+            meta.stream = LayerStream(meta, self.compute, target, self.host_load)
         token_ids = torch.as_tensor(request.token_ids, dtype=torch.int64)
-        if meta.config.blend_selection in PREVIEW_SELECTIONS and meta.schedule:
-            yield from _tagged("preview", preview_selection(meta, token_ids, target, self.compute))
         wants_logits = not meta.strict_end and (meta.compute_end is None or meta.task is None)
-        hidden = yield from _tagged(
-            "blend",
-            run_layers(meta, token_ids, target, self.compute, last_output=wants_logits),
-        )
+        try:
+            if meta.config.blend_selection in PREVIEW_SELECTIONS and meta.schedule:
+                previewed = preview_selection(meta, token_ids, target, self.compute)
+                yield from _tagged("preview", previewed)
+            hidden = yield from _tagged(
+                "blend",
+                run_layers(meta, token_ids, target, self.compute, last_output=wants_logits),
+            )
+        finally:
+            if meta.stream is not None:
+                meta.stream.close()
         logits = None
         if wants_logits:
             logits = self.model.logits(hidden[-1:])[0]

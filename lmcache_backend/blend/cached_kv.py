@@ -8,10 +8,13 @@ were computed where they stand and are copied in unrotated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lmcache_backend.blend.compute import BlendCompute
 from lmcache_backend.blend.engine_side import KVTarget
+from lmcache_backend.blend.layer_load import STAGED, LayerLoader
 from lmcache_backend.blend.request import BlendMetadata
 
 
@@ -51,6 +54,47 @@ def cached_layer(
     return keys[layer_id], values[layer_id]
 
 
+@dataclass(frozen=True)
+class Rerotation:
+    """Which cached rows a request turns, from where to where: the same in every layer, found
+    once per request (finding the moved rows reads them back from the device).
+
+    Attributes:
+        rows: ``[M]`` the rows that moved (the op registry turns these); None: every row,
+            those that did not move by angle 0 (the engine's kernel, whose table at angle 0
+            is exact), or none when ``moved`` is False.
+        old, new: ``[M]`` (or ``[T]`` with ``rows`` None) positions before and after.
+        moved: whether any row moved.
+    """
+
+    rows: torch.Tensor | None
+    old: torch.Tensor
+    new: torch.Tensor
+    moved: bool
+
+
+def plan_rerotation(
+    original: torch.Tensor, meta: BlendMetadata, compute: BlendCompute
+) -> Rerotation:
+    """The :class:`Rerotation` of rows computed at ``original [T]`` positions to
+    ``meta.positions``: by the model's own kernel where it has one and the op registry does
+    not serve the op natively, else by the op registry over the moved rows."""
+    moved = meta.valid_mask & (original != meta.positions)
+    if _engine_kernel(compute) is not None:
+        old = torch.where(moved, original, meta.positions)
+        return Rerotation(None, old, meta.positions, bool(moved.any()))
+    rows = torch.nonzero(moved, as_tuple=False).flatten()
+    return Rerotation(rows, original[rows], meta.positions[rows], rows.numel() > 0)
+
+
+def _engine_kernel(compute: BlendCompute):
+    """The model's own re-rotation kernel, where it turns the keys (see :func:`_rerotate`)."""
+    adapter_op = compute.model.rope_rerotate_k
+    if adapter_op is not None and not compute.ops.native("rope_rerotate_k"):
+        return adapter_op
+    return None
+
+
 def _rerotate(
     keys: torch.Tensor,
     original: torch.Tensor,
@@ -61,18 +105,28 @@ def _rerotate(
     """Turn the rows of ``keys`` (``[L', T, Hkv, D]``: layers ``layer_ids``, default every
     layer) computed at ``original [T]`` positions to ``meta.positions``, in place; each layer
     with its own rotation table (one call per distinct table)."""
+    rerotate(keys, plan_rerotation(original, meta, compute), compute, layer_ids)
+
+
+def rerotate(
+    keys: torch.Tensor,
+    plan: Rerotation,
+    compute: BlendCompute,
+    layer_ids: list[int] | None = None,
+) -> None:
+    """Turn ``keys`` (``[L', T, Hkv, D]``: layers ``layer_ids``, default every layer) as
+    ``plan`` says, in place; each layer with its own rotation table (one call per distinct
+    table). Waits for nothing on the device."""
+    if not plan.moved:
+        return
     model, ops = compute.model, compute.ops
     layers, num_tokens, heads, dim = keys.shape
     layer_ids = list(range(layers)) if layer_ids is None else layer_ids
-    moved = meta.valid_mask & (original != meta.positions)
     groups = model.rotation_groups()
     where = {layer: i for i, layer in enumerate(layer_ids)}
-    adapter_op = model.rope_rerotate_k  # the engine's own kernel, if it has one
-    if adapter_op is not None and not ops.native("rope_rerotate_k"):
-        if not bool(moved.any()):
-            return
+    adapter_op = _engine_kernel(compute)  # the engine's own kernel, if it has one
+    if adapter_op is not None:
         # every row of a table's layers at once; a row that did not move turns by angle 0
-        old = torch.where(moved, original, meta.positions)
         for table, group in groups:
             index = [where[layer] for layer in group if layer in where]
             if not index:
@@ -81,22 +135,27 @@ def _rerotate(
             picked = keys if whole else keys[index].contiguous()  # [L_g, T, Hkv, D], a copy
             adapter_op(
                 picked.view(len(index) * num_tokens, heads, dim),
-                old.repeat(len(index)),
-                meta.positions.repeat(len(index)),
+                plan.old.repeat(len(index)) if len(index) > 1 else plan.old,
+                plan.new.repeat(len(index)) if len(index) > 1 else plan.new,
                 table,
             )
             if not whole:
                 keys[index] = picked
         return
-    rows = torch.nonzero(moved, as_tuple=False).flatten()
-    if rows.numel() == 0:
-        return
+    rows = plan.rows
+    assert rows is not None  # the op registry's plan names the moved rows
     for table, group in groups:
         picked_layers = [where[layer] for layer in group if layer in where]
         if not picked_layers:
             continue
         # one call per table: a token's angle does not depend on the layer, so the layers
         # are extra heads of a [M, L * Hkv, D] view
+        if len(picked_layers) == 1:  # one layer: its rows, already [M, Hkv, D] contiguous
+            layer = keys[picked_layers[0]]
+            picked = layer[rows]
+            ops.rope_rerotate_k(picked, plan.old, plan.new, table, model.is_neox)
+            layer[rows] = picked
+            continue
         if len(picked_layers) == layers:  # every layer: plain row indexing
             index = slice(None)
             picked = keys[:, rows].transpose(0, 1).contiguous()
@@ -105,8 +164,8 @@ def _rerotate(
             picked = keys[index, rows[None, :]].transpose(0, 1).contiguous()
         ops.rope_rerotate_k(
             picked.view(rows.numel(), len(picked_layers) * heads, dim),
-            original[rows],
-            meta.positions[rows],
+            plan.old,
+            plan.new,
             table,
             model.is_neox,
         )
@@ -122,70 +181,64 @@ class LayerStream:
     re-rotated) are written into the target the first time the layer is asked for, and only two
     layers are ever held (``2 x 2 x [T, Hkv, D]`` in the model's dtype).
 
-    On CUDA the next layer's copies from the store run on a side stream, from page-locked host
-    memory where the store keeps it, while the current layer computes; elsewhere they run when
-    the layer is asked for.
+    A layer arrives in one copy for K and one for V, the next layer's while the current one
+    computes (:class:`~lmcache_backend.blend.layer_load.LayerLoader`: on CUDA from page-locked
+    host memory on a side stream). What every layer shares -- the rows that moved and their
+    positions, the rows' slots in the target -- is found once, so handing out a layer waits for
+    nothing on the device.
 
     Args:
         meta: the request (its ``task``, ``cached_prefix``, positions and valid rows).
         compute: the model adapter and ops.
         target: where each layer's cached rows go.
+        host_load: how hits in host memory reach the device (``LayerLoader``'s).
     """
 
-    def __init__(self, meta: BlendMetadata, compute: BlendCompute, target: KVTarget) -> None:
+    def __init__(
+        self,
+        meta: BlendMetadata,
+        compute: BlendCompute,
+        target: KVTarget,
+        host_load: str = STAGED,
+    ) -> None:
         model = compute.model
         self.meta, self.compute, self.target = meta, compute, target
         shape = (meta.positions.numel(), model.num_kv_heads, model.head_dim)
-        self._buffers = [
-            tuple(torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(2))
-            for _ in range(2)
-        ]
-        self._layer_in = [-1, -1]  # which layer each buffer holds (after its copy)
-        self._ready: list[torch.cuda.Event | None] = [None, None]
+        assert meta.task is not None  # a stream is opened for a request that reuses something
+
+        def empty() -> torch.Tensor:
+            return torch.empty(shape, dtype=model.dtype, device=model.device)
+
+        buffers = [(empty(), empty()) for _ in range(2)]
+        self._loader = LayerLoader(
+            meta.task.hits, model.num_layers, shape[0], buffers, host_load=host_load
+        )
         self._current = -1  # the layer last handed out (re-rotated and written)
-        self._side = torch.cuda.Stream(device=model.device) if model.device.type == "cuda" else None
         self._every = torch.arange(shape[0], device=meta.positions.device)
-        # where each row was computed: the same for every layer
-        self._original = _original_positions(meta)
+        # where each row was computed and where it goes: the same for every layer
+        self._rotation = plan_rerotation(_original_positions(meta), meta, compute)
+        self._loader.start(0)
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_id``'s cached K/V ``[T, Hkv, D]``, re-rotated and written into the
         target; valid until the layer after next is asked for (the caller may scatter into
         them: the target already holds the cached rows)."""
-        slot = layer_id % 2
-        keys, values = self._buffers[slot]
         if self._current == layer_id:
-            return keys, values
-        if self._layer_in[slot] != layer_id:
-            self._fetch(layer_id, slot)
-        if self._ready[slot] is not None:
-            torch.cuda.current_stream(keys.device).wait_event(self._ready[slot])
+            return self._loader.buffers[layer_id % 2]
+        keys, values = self._loader.wait(layer_id)
         self.meta.timer.lap("load")
         _fill_prefix(keys, values, self.meta, layer_id)
-        _rerotate(keys.unsqueeze(0), self._original, self.meta, self.compute, [layer_id])
+        rerotate(keys.unsqueeze(0), self._rotation, self.compute, [layer_id])
         self.meta.timer.lap("rerotate")
         self.target.write_rows(layer_id, self._every, keys, values)
         self.meta.timer.lap("write-back")
         self._current = layer_id
-        if layer_id + 1 < self.compute.model.num_layers:
-            self._fetch(layer_id + 1, 1 - slot)  # overlaps this layer's compute on CUDA
+        self._loader.start(layer_id + 1)  # overlaps this layer's compute
         return keys, values
 
-    def _fetch(self, layer_id: int, slot: int) -> None:
-        keys, values = self._buffers[slot]
-        task = self.meta.task
-        if self._side is None:
-            task.fill_layer(layer_id, keys, values)
-            self._ready[slot] = None
-        else:
-            # the buffer's previous layer may still be read by work queued on the compute stream
-            self._side.wait_stream(torch.cuda.current_stream(keys.device))
-            with torch.cuda.stream(self._side):
-                task.fill_layer(layer_id, keys, values, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._side)
-            self._ready[slot] = event
-        self._layer_in[slot] = layer_id
+    def close(self) -> None:
+        """Stop the loader (once the request no longer asks for layers)."""
+        self._loader.close()
 
 
 def _fill_prefix(

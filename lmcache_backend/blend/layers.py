@@ -62,6 +62,9 @@ def run_layers(
     first_check = min(meta.schedule, default=model.num_layers)
     paged = target.paged_attention
     cached_written = False
+    # the active rows' positions, taken once per set of active rows (a check layer changes
+    # it): the adapter's rotary angles and the target's slots are looked up once per tensor
+    rows, positions = meta.active, meta.positions[meta.active]
     for layer in range(model.num_layers):
         if meta.active.numel() == 0:
             # nothing left to compute before compute_end: the layers hold the cached rows
@@ -91,12 +94,15 @@ def run_layers(
             else "full"
         )
         rest, attention = _PHASE_NAMES[phase]
+        if meta.active is not rows:
+            rows, positions = meta.active, meta.positions[meta.active]
         x = model.attention_input(layer, hidden)
-        q, k, v = model.qkv(layer, x, meta.positions[meta.active])
+        q, k, v = model.qkv(layer, x, positions)
         timer.lap(rest)
         q, keys, values, hidden, _ = blend_layer_kv(q, k, v, hidden, layer, None, meta, compute)
         timer.lap("select and blend")
-        positions = meta.positions[meta.active]
+        if meta.active is not rows:  # a check layer kept some of the rows
+            rows, positions = meta.active, meta.positions[meta.active]
         if paged:
             if meta.cached_kv is not None and not cached_written:
                 write_cached_rows(target, layer, meta, compute)

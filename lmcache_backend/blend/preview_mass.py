@@ -9,10 +9,28 @@ recomputation pays (docs/quality.md)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lmcache_backend.blend.request import BlendMetadata
-from lmcache_backend.blend.selection import attention_with_query_mass, value_norms
+from lmcache_backend.blend.selection import (
+    QueryMasks,
+    attention_with_query_mass,
+    query_masks,
+    value_norms,
+)
+from lmcache_backend.ops.memo import TensorMemo
+
+
+@dataclass(frozen=True)
+class _PassRows:
+    """What every layer of a preview pass reads of its rows, found once per pass (the only
+    place the pass waits for the device: the number of query rows)."""
+
+    positions: torch.Tensor  # [N] of the active rows
+    query_rows: torch.Tensor  # [M] rows of the active ones at or after query_start
+    masks: QueryMasks  # the causal mask, the layer's window and the hidden keys
 
 
 class PreviewMass:
@@ -36,6 +54,7 @@ class PreviewMass:
         self.query = torch.zeros(num_tokens, dtype=torch.float32, device=device)
         self.last = torch.zeros_like(self.query) if with_last else None
         self.hidden: torch.Tensor | None = None
+        self._rows: TensorMemo[_PassRows] = TensorMemo(size=4)
 
     def attend(
         self,
@@ -52,21 +71,27 @@ class PreviewMass:
         tokens (and the last token alone) give each key, weighted by its value norm. ``window``:
         the layer's sliding window, if it has one. A layer that is not ``scored`` adds
         nothing."""
-        rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
-        positions = meta.positions[meta.active]
-        if self.hidden is None:  # keys neither cached nor previewed: uncached tokens before
-            self.hidden = ~meta.valid_mask.clone()  # the query tail (chunk edges, new text)
-            self.hidden[meta.active] = False
-        kw = {} if window is None else {"window": window}
-        if bool(self.hidden.any()):
-            kw["hidden"] = self.hidden
-        attn, mass, last = attention_with_query_mass(q, keys, values, positions, scale, rows, **kw)
+        rows = self._rows.get(
+            (meta.active, keys.shape[0], window), lambda: self._pass_rows(meta, keys, window)
+        )
+        attn, mass, last = attention_with_query_mass(
+            q, keys, values, rows.positions, scale, rows.query_rows, window=window, masks=rows.masks
+        )
         if self.scored is not None and not self.scored[layer]:
             return attn
-        norms = value_norms(values)
-        if "hidden" in kw:
-            norms = norms.masked_fill(self.hidden, 0.0)
+        norms = value_norms(values)  # the hidden keys' mass is 0: so is what they add
         self.query.addcmul_(mass, norms)
         if self.last is not None:
             self.last.addcmul_(last, norms)
         return attn
+
+    def _pass_rows(self, meta: BlendMetadata, keys: torch.Tensor, window: int | None) -> _PassRows:
+        if self.hidden is None:  # keys neither cached nor previewed: uncached tokens before
+            self.hidden = ~meta.valid_mask.clone()  # the query tail (chunk edges, new text)
+            self.hidden[meta.active] = False
+        rows = torch.nonzero(meta.active >= meta.query_start, as_tuple=False).flatten()
+        positions = meta.positions[meta.active]
+        # the hidden keys' K/V rows are finite (the blend's cached K/V are zero where no hit
+        # covers them, the pass scatters only its own rows): one additive mask hides them
+        masks = query_masks(positions.to(keys.device), keys.shape[0], rows, window, self.hidden)
+        return _PassRows(positions, rows, masks)

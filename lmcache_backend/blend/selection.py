@@ -169,6 +169,48 @@ def query_attention_mass(
     return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
 
 
+@dataclass(frozen=True)
+class QueryMasks:
+    """What :func:`attention_with_query_mass` masks, as one additive term: the same in every
+    layer of a pass, so a layer loop builds it once (:func:`query_masks`).
+
+    Attributes:
+        bias: ``[N, T]`` fp32, 0 where query ``i`` reads key ``j`` and ``-inf`` where it does
+            not (its future, outside its window, a zero row no pass computed): added to the
+            logits, one pass over them.
+        tail: the query rows are the last rows of ``q`` (the preview's case: a slice).
+    """
+
+    bias: torch.Tensor
+    tail: bool = False
+
+
+def query_masks(
+    q_positions: torch.Tensor,
+    num_keys: int,
+    query_rows: torch.Tensor,
+    window: int | None = None,
+    hidden: torch.Tensor | None = None,
+) -> QueryMasks:
+    """The masks of :func:`attention_with_query_mass` for queries at sorted ``q_positions [N]``
+    over ``num_keys`` keys, summing the mass of ``query_rows [M]``, with a sliding ``window``.
+    ``hidden``: ``[T]`` bool keys no query reads, whose K and V rows are finite (uncached rows a
+    preview leaves out, zero there): masked here, so no layer passes over them again (rows that
+    may hold any value go to :func:`attention_with_query_mass`'s ``hidden`` instead)."""
+    positions = q_positions.to(torch.int64)[:, None]
+    n, m = positions.shape[0], query_rows.numel()
+    keys = torch.arange(num_keys, device=positions.device)[None, :]
+    unread = keys > positions  # [N, T]
+    if window is not None:  # keys that fell out of the query's window
+        unread |= keys <= positions - window
+    if hidden is not None:
+        unread |= hidden.to(positions.device)[None, :]
+    bias = torch.zeros(unread.shape, dtype=torch.float32, device=positions.device)
+    bias.masked_fill_(unread, float("-inf"))
+    tail = bool(m) and int(query_rows[0]) == n - m and int(query_rows[-1]) == n - 1
+    return QueryMasks(bias, tail)
+
+
 def attention_with_query_mass(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,6 +220,7 @@ def attention_with_query_mass(
     query_rows: torch.Tensor,
     window: int | None = None,
     hidden: torch.Tensor | None = None,
+    masks: QueryMasks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact-mask attention and, from the same probabilities, the mass the query rows (and the
     last row alone) put on each key: the preview pass computes them at every layer, in one go.
@@ -190,6 +233,8 @@ def attention_with_query_mass(
         window: a sliding window: the query at ``p`` sees keys ``p - window + 1 .. p`` only.
         hidden: ``[T]`` bool, keys no query sees (rows whose K/V are neither cached nor
             computed by this pass), or None.
+        masks: :func:`query_masks` of these positions, keys, rows and window, built once for
+            a pass (None: built here).
 
     Returns:
         ``([N, Hq, D]`` attention output in ``q.dtype``, ``[T]`` fp32 mass of the query rows,
@@ -207,6 +252,8 @@ def attention_with_query_mass(
     if n == 0:
         zeros = torch.zeros(num_keys, device=k.device)
         return q.new_empty(0, num_heads, v.shape[-1]), zeros, zeros.clone()
+    if masks is None:
+        masks = query_masks(q_positions.to(k.device), num_keys, query_rows, window)
     mm = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32
     # grouped-query heads side by side: head h reads KV head h // group. Head-major contiguous
     # K/V keep both batched matmuls on the BLAS fast path (a permuted view was 3x slower).
@@ -216,16 +263,7 @@ def attention_with_query_mass(
     vh = v.to(mm).transpose(0, 1).contiguous()
     logits = torch.bmm(qs, kh.transpose(1, 2)).float()  # [Hkv, N * group, T]
     logits = logits.view(kv_heads, n, group, num_keys)
-    # Only keys after the earliest query can be in some query's future: mask that band alone.
-    positions = q_positions.to(k.device, torch.int64)
-    first = min(int(positions[0]) + 1, num_keys)
-    band = torch.arange(first, num_keys, device=k.device)
-    future = band[None, :] > positions[:, None]  # [N, T - first]
-    logits[..., first:].masked_fill_(future[None, :, None, :], float("-inf"))
-    if window is not None:  # keys that fell out of some query's window: before its last one
-        last = max(min(int(positions[-1]) - window + 1, num_keys), 0)
-        past = torch.arange(last, device=k.device)[None, :] <= positions[:, None] - window
-        logits[..., :last].masked_fill_(past[None, :, None, :], float("-inf"))
+    logits.add_(masks.bias[None, :, None, :])
     if hidden is not None:  # their rows may hold anything, even non-finite values
         hidden = hidden.to(k.device)
         logits.masked_fill_(hidden[None, None, None, :], float("-inf"))
@@ -233,12 +271,10 @@ def attention_with_query_mass(
     probs = torch.softmax(logits, dim=-1)
     out = torch.bmm(probs.view(kv_heads, -1, num_keys).to(mm), vh)
     out = out.view(kv_heads, n, group, -1).permute(1, 0, 2, 3).reshape(n, num_heads, -1)
-    rows = query_rows.to(k.device)
-    m = rows.numel()
-    if m and int(rows[0]) == n - m and int(rows[-1]) == n - 1:  # the usual case: the tail
-        mass = probs[:, n - m :].sum(dim=(0, 1, 2))
+    if masks.tail:  # the usual case: the tail
+        mass = probs[:, n - query_rows.numel() :].sum(dim=(0, 1, 2))
     else:
-        mass = probs[:, rows].sum(dim=(0, 1, 2))
+        mass = probs[:, query_rows.to(k.device)].sum(dim=(0, 1, 2))
     return out.to(q.dtype), mass, probs[:, -1].sum(dim=(0, 1))
 
 

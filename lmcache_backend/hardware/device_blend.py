@@ -4,8 +4,10 @@ recorded cache form, by ``benchmarks/device_blend.py`` (a script of the checkout
 
 A row fails when the blend at ratio 1.0 (every token recomputed) is farther from the model's
 fp32 prefill than twice the bf16 full prefill is, or picks another next token, or when the child
-fails; times, memory, the GPU profile and the default ratio's and naive reuse's deviations are
-reported (``info``).
+fails; times, memory, the GPU profile (how busy the GPU is during the blend), the kernel launches
+and host-device syncs of one request, the stage profile (each phase's fixed and per-token cost,
+from the timed sizes) and the default ratio's and naive reuse's deviations are reported
+(``info``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ STEP = "device blend"
 SCRIPT = Path("benchmarks") / "device_blend.py"
 _MODULE_NAME = "lmcache_backend_benchmark_device_blend"
 GIB = 1 << 30
+#: the ways the hits reach the GPU that the check times, the first the default
+HOST_LOADS = "staged,direct"
 
 
 def load_benchmark() -> ModuleType:
@@ -39,7 +43,9 @@ def load_benchmark() -> ModuleType:
 
 def command(sizes: list[int], repeats: int, out: Path) -> list[str]:
     args = ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats), "--json", str(out)]
-    return [sys.executable, str(SCRIPT), *args, "--profile"]
+    return [
+        sys.executable, str(SCRIPT), *args, "--profile", "--count", "--host-load", HOST_LOADS,
+    ]  # fmt: skip
 
 
 def _agreement_row(entry: dict, bench: ModuleType) -> Row:
@@ -65,7 +71,8 @@ def _agreement_row(entry: dict, bench: ModuleType) -> Row:
     return Row(STEP, case, verdict, numbers + against_fp32)
 
 
-def _timing_rows(item: dict) -> list[Row]:
+def _timing_rows(item: dict, first: bool = True) -> list[Row]:
+    """Full prefill (for the first load mode timed) and the blend of one timed size."""
     case = f"{item['tokens']:,} tokens, {item['form']}"
     full = Row(
         STEP,
@@ -77,7 +84,7 @@ def _timing_rows(item: dict) -> list[Row]:
     low, high = item["spread"]
     blend = Row(
         STEP,
-        f"{case}: CacheBlend (blend + question)",
+        f"{case}: CacheBlend (blend + question), {item['host_load']} load",
         INFO,
         f"{item['blend_ms']:.0f} ms = {item['ratio']:.2f}x full prefill (medians of "
         f"{item['rounds']}; rounds {low:.2f}-{high:.2f}x), question {item['question_ms']:.0f} ms; "
@@ -85,26 +92,67 @@ def _timing_rows(item: dict) -> list[Row]:
         f"{item['recompute_fraction']:.0%} recomputed, "
         f"{item['token_layer_fraction']:.0%} of token-layers",
     )
-    return [full, blend]
+    return [full, blend] if first else [blend]
+
+
+def _count_rows(item: dict, layers: int) -> list[Row]:
+    """Launches and syncs of one request, per mode (the launch counter's)."""
+    rows = []
+    for mode in ("full prefill", "CacheBlend"):
+        c = item[mode]
+        syncs = f"{c['syncs']} host-device syncs"
+        if "cuda_syncs" in c:
+            syncs += f" ({c['cuda_syncs']} seen by torch's sync debug mode)"
+        sites = ", ".join(f"{site} x{n}" for site, n in list(c["sync_sites"].items())[:4])
+        rows.append(
+            Row(
+                STEP,
+                f"{item['tokens']:,} tokens: {mode}, launches and syncs per request",
+                INFO,
+                f"{c['launches']} launches ({c['launches'] / layers:.0f} per layer; "
+                f"{c['triton']} Triton), {syncs}" + (f"; most: {sites}" if sites else ""),
+            )
+        )
+    return rows
+
+
+def _stage_rows(profile: dict) -> list[Row]:
+    """The fixed and per-token cost of each stage (from the timed sizes)."""
+    return [
+        Row(
+            STEP,
+            f"stage profile: {stage}",
+            INFO,
+            f"{cost['fixed_ms']:.1f} ms fixed + {cost['per_1k_tokens_ms']:.2f} ms per 1k tokens",
+        )
+        for stage, cost in profile.items()
+    ]
 
 
 def to_rows(result: dict, bench: ModuleType) -> list[Row]:
     rows = [_agreement_row(e, bench) for e in result["agreement"]]
     for item in result["timing"]:
-        rows += _timing_rows(bench.summary(item))
+        first = item.get("host_load") == result["timing"][0].get("host_load")
+        rows += _timing_rows(bench.summary(item), first)
     for item in result.get("profile", []):
         for mode in ("full prefill", "CacheBlend"):
             p = item[mode]
             top = ", ".join(f"{name} {ms:.1f} ms" for name, ms in p["top"][:3])
+            busy = p["kernel_ms"] / p["wall_ms"] if p["wall_ms"] else 0.0
             rows.append(
                 Row(
                     STEP,
                     f"{item['tokens']:,} tokens: {mode}, under the profiler",
                     INFO,
                     f"wall {p['wall_ms']:.0f} ms, GPU kernels {p['kernel_ms']:.0f} ms in "
-                    f"{p['kernels']} launches; most GPU time: {top}",
+                    f"{p['kernels']} launches (GPU busy {busy:.0%} of the wall time); most GPU "
+                    f"time: {top}",
                 )
             )
+    layers = int(result.get("shape_detail", {}).get("layers", 1))
+    for item in result.get("counts", []):
+        rows += _count_rows(item, layers)
+    rows += _stage_rows(result.get("stage_profile", {}))
     return rows
 
 
@@ -127,11 +175,21 @@ def run(logs: Path, sizes: list[int], repeats: int, dry_run: bool) -> list[Row]:
             for r in ("1.0", "default", "0")
             if r != "0" or form == forms[0]
         ]
-        return rows + [
+        loads = [f"CacheBlend (blend + question), {m} load" for m in HOST_LOADS.split(",")]
+        timed = [
             Row(STEP, f"{len(prompts[s][1][0]):,} tokens, {bench.FORMS[0]}: {mode}", DRY, DRY)
             for s in sizes
-            for mode in ("full prefill (SDPA)", "CacheBlend (blend + question)")
+            for mode in ["full prefill (SDPA)", *loads]
         ]
+        counted = [
+            Row(STEP, f"{len(prompts[s][1][0]):,} tokens: {mode}", DRY, DRY)
+            for s in sizes
+            for mode in (
+                "full prefill, launches and syncs per request",
+                "CacheBlend, launches and syncs per request",
+            )
+        ]
+        return rows + timed + counted
     out.unlink(missing_ok=True)
     rc = run_child(cmd, logs / "device-blend.log", env=device_env(False), timeout=1800)
     try:

@@ -99,6 +99,9 @@ class Gemma3Adapter(HFModelAdapter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rotary(x, positions.to(self.device)[None, :], self._kinds[layer])
 
+    def _rotary_kind(self, layer: int) -> object:
+        return self._kinds[layer]
+
     def sliding_window(self, layer: int) -> int | None:
         return self._windows[layer]
 

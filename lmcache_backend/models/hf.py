@@ -23,6 +23,7 @@ from lmcache_backend.models.base import (
     sliding_window_span,
 )
 from lmcache_backend.models.fingerprint import ModelFingerprint
+from lmcache_backend.ops.memo import TensorMemo
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,9 @@ class HFModelAdapter(ModelAdapter):
         self.is_neox = True  # HF's rotate_half pairs feature i with i + D/2
         self._rotary = self._decoder.rotary_emb
         self._max_positions = int(getattr(config, "max_position_embeddings", 32768))
+        # each pass's cos/sin at its rows' positions, computed in its first layer: the layers
+        # of a pass (and of one rotary kind) turn the same positions by the same angles
+        self._angles: TensorMemo[tuple[torch.Tensor, torch.Tensor]] = TensorMemo(size=4)
         self._init_rotation(config)
         self._model_type = model_type
         self._fingerprint = ModelFingerprint(
@@ -123,6 +127,23 @@ class HFModelAdapter(ModelAdapter):
         """HF's rotary module at ``positions [N]``: ``cos, sin [1, N, D]``."""
         return self._rotary(x, positions.to(self.device)[None, :])
 
+    def _rotary_kind(self, layer: int) -> object:
+        """Which of the model's rotations ``layer`` applies (one for every layer here)."""
+        return None
+
+    def _angles_at(
+        self, layer: int, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [N, 1, D]`` of :meth:`_cos_sin`, once per ``positions`` tensor, rotary
+        kind and dtype (HF's module casts them to ``x``'s dtype)."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            cos, sin = self._cos_sin(layer, x, positions)
+            return cos[0, :, None, :], sin[0, :, None, :]
+
+        key = (positions, self._rotary_kind(layer), x.dtype, x.device)
+        return self._angles.get(key, build)
+
     @property
     def device(self) -> torch.device:
         return self._decoder.embed_tokens.weight.device
@@ -153,8 +174,7 @@ class HFModelAdapter(ModelAdapter):
             q = attn.q_norm(q)
             k = attn.k_norm(k)
         # HF's own rotary module and formula, so results match the model's forward bit for bit.
-        cos, sin = self._cos_sin(layer, x, positions)
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        cos, sin = self._angles_at(layer, x, positions)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return q, k, v

@@ -304,6 +304,8 @@ def paged_attention_at_positions(
     block_table: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
+    *,
+    key_end: int | None = None,
 ) -> torch.Tensor:
     """:func:`attention_at_positions` over one request's rows of a paged cache.
 
@@ -316,6 +318,9 @@ def paged_attention_at_positions(
         q_positions: ``[Nq]`` positions of the queries; keys ``0..max(q_positions)`` must be
             covered by ``block_table``.
         scale: softmax scale.
+        key_end: (keyword) a bound the caller knows on the host: every position is below it,
+            keys ``0..key_end-1`` are covered by ``block_table`` and hold written rows. None:
+            ``max(q_positions) + 1``, read from the tensor (on a device, a wait for it).
 
     Returns:
         ``[Nq, Hq, D]`` in ``q.dtype``: the query at position ``p`` attends the request's keys
@@ -324,7 +329,7 @@ def paged_attention_at_positions(
     """
     return attention_over_gathered_rows(
         q, key_cache, value_cache, block_table, q_positions, scale, paged_kv_read,
-        attention_at_positions,
+        attention_at_positions, key_end,
     )  # fmt: skip
 
 
@@ -337,14 +342,17 @@ def attention_over_gathered_rows(
     scale: float,
     read: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     attend: Callable[..., torch.Tensor],
+    key_end: int | None = None,
 ) -> torch.Tensor:
     """``paged_attention_at_positions`` composed of two ops: ``read`` (a ``paged_kv_read``)
-    gathers the request's rows ``0..max(q_positions)`` through the block table (one layer's,
-    freed after the call), ``attend`` (an ``attention_at_positions``) attends over them."""
+    gathers the request's rows ``0..key_end-1`` (default ``0..max(q_positions)``) through the
+    block table (one layer's, freed after the call), ``attend`` (an ``attention_at_positions``)
+    attends over them."""
     if q.shape[0] == 0:
         return torch.empty(0, *q.shape[1:], dtype=q.dtype, device=q.device)
     block_size = key_cache.shape[1]
-    positions = torch.arange(int(q_positions.max()) + 1, device=key_cache.device)
+    end = int(q_positions.max()) + 1 if key_end is None else key_end
+    positions = torch.arange(end, device=key_cache.device)
     table = block_table.to(device=key_cache.device, dtype=torch.int64)
     slots = table[positions // block_size] * block_size + positions % block_size
     keys, values = read(key_cache, value_cache, slots)

@@ -149,8 +149,8 @@ def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch
 
     real = preview_mass.attention_with_query_mass
 
-    def fake_mass(q, k, v, positions, scale, rows):
-        out, _, last = real(q, k, v, positions, scale, rows)
+    def fake_mass(q, k, v, positions, scale, rows, **kw):
+        out, _, last = real(q, k, v, positions, scale, rows, **kw)
         # ranks 100x apart: the value-norm weighting cannot reorder them
         mass = torch.zeros(k.shape[0])
         mass[system] = 1e36
@@ -289,8 +289,8 @@ def test_position_discount_prefers_the_earlier_of_two_close_scores(llama, monkey
 
     real = preview_mass.attention_with_query_mass
 
-    def fake(q, k, v, positions, scale, rows):
-        out, _, _ = real(q, k, v, positions, scale, rows)
+    def fake(q, k, v, positions, scale, rows, **kw):
+        out, _, _ = real(q, k, v, positions, scale, rows, **kw)
         mass = torch.zeros(k.shape[0])
         mass[[30, 120, 140]] = torch.tensor([0.9, 1.0, 100.0])  # 140: far above both
         return out, mass, mass.clone()
@@ -332,8 +332,8 @@ def test_chunk_head_tokens_are_recomputed_first(llama, monkeypatch) -> None:
     real = preview_mass.attention_with_query_mass
     favoured = [17, 40, 41, 77, 90, 101, 110, 120, 130, 140, 141, 142, 143, 20, 25, 30]
 
-    def fake_mass(q, k, v, positions, scale, rows):
-        out, _, last = real(q, k, v, positions, scale, rows)
+    def fake_mass(q, k, v, positions, scale, rows, **kw):
+        out, _, last = real(q, k, v, positions, scale, rows, **kw)
         mass = torch.zeros(k.shape[0])
         mass[favoured] = 100.0 ** torch.arange(len(favoured), 0, -1, dtype=torch.float32)
         return out, mass, last
@@ -408,8 +408,8 @@ def test_query_preview_last_weights_the_last_tokens_reads(llama, monkeypatch) ->
 
     real = preview_mass.attention_with_query_mass
 
-    def fake(q, k, v, positions, scale, rows):
-        out, _, _ = real(q, k, v, positions, scale, rows)
+    def fake(q, k, v, positions, scale, rows, **kw):
+        out, _, _ = real(q, k, v, positions, scale, rows, **kw)
         mass, last = torch.zeros(k.shape[0]), torch.zeros(k.shape[0])
         mass[[40, 80, 100, 60]] = torch.tensor([3.0, 2.5, 2.4, 2.0])
         last[60] = 1.0  # only the last token reads token 60
@@ -508,3 +508,28 @@ def test_selection_span_recomputes_whole_aligned_spans(llama, selection) -> None
     partial = [s for s, n in per_span.items() if n < int(valid[s * 8 : s * 8 + 8].sum())]
     assert len(partial) <= 1, per_span
     assert recomputed[8] != recomputed[1]
+
+
+def test_hidden_keys_in_the_prepared_masks_equal_masking_them_each_call() -> None:
+    """The preview's masks built once with its hidden keys (finite rows: zero, or cached values
+    a request's mask leaves out) give the output and masses of masking them in the call
+    (fp32, tolerance 1e-6)."""
+    from lmcache_backend.blend.selection import attention_with_query_mass, query_masks
+
+    g = torch.Generator().manual_seed(9)
+    t = 48
+    positions = torch.tensor([30, 41, 45, 46, 47])
+    q = torch.randn(5, 6, 16, generator=g)
+    k = torch.randn(t, 2, 16, generator=g)
+    v = torch.randn(t, 2, 16, generator=g)
+    hidden = torch.zeros(t, dtype=torch.bool)
+    hidden[[3, 12, 13, 14, 40]] = True
+    k[12:15], v[12:15] = 0.0, 0.0  # uncached rows are zero; rows 3 and 40 keep values
+    rows = torch.tensor([2, 3, 4])
+    for window in (None, 9):
+        want = attention_with_query_mass(q, k, v, positions, 0.25, rows, window, hidden=hidden)
+        masks = query_masks(positions, t, rows, window, hidden)
+        got = attention_with_query_mass(q, k, v, positions, 0.25, rows, window, masks=masks)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert float(got[1][hidden].abs().sum()) == 0.0

@@ -68,14 +68,18 @@ def test_the_dry_run_prints_a_table_of_every_step(tmp_path: Path) -> None:
     assert "paged_attention" in bench[1] and "attention" in bench[1]
 
     # every recorded form's agreement at ~8k (ratio 1.0 and the default; naive reuse on the
-    # first), then the newest form's timing at both sizes
+    # first), then the newest form's timing, launches and syncs at both sizes
     blend = [row[1] for row in by_step["device blend"]]
-    forms = {c.split(", ")[1] for c in blend[:-4]}
+    forms = {c.split(", ")[1] for c in blend[:-10]}
     assert {"0.33.0-FLASH_ATTN-LBNHC", "0.26.0-FLASH_ATTN-HND", "0.10.2-FLASH_ATTN-NHD"} <= forms
-    assert len(blend) == 2 * len(forms) + 1 + 4
-    assert [c.rsplit(": ", 1)[1] for c in blend[-4:]] == [
+    assert len(blend) == 2 * len(forms) + 1 + 10
+    assert [c.rsplit(": ", 1)[1] for c in blend[-10:]] == [
         "full prefill (SDPA)",
-        "CacheBlend (blend + question)",
+        "CacheBlend (blend + question), staged load",
+        "CacheBlend (blend + question), direct load",
+    ] * 2 + [
+        "full prefill, launches and syncs per request",
+        "CacheBlend, launches and syncs per request",
     ] * 2
 
     # every backend the probe found: four cases (two models, eager and graphs), or one row
@@ -351,3 +355,36 @@ def test_verify_rows_summarize_the_checks() -> None:
         "re-rotation error 2.58e-03; ratio 1.0: max logprob diff 0.0154, 2/4 answers equal; "
         "default: 4/4 blended"
     )
+
+
+def test_device_blend_rows_report_launches_syncs_busy_share_and_stages() -> None:
+    """The blend step's numbers beside its times: launches (and per layer) and syncs of one
+    request, how busy the GPU was under the profiler, each stage's fixed and per-token cost."""
+    from lmcache_backend.hardware import device_blend
+
+    bench = device_blend.load_benchmark()
+    counts = {
+        "tokens": 8000,
+        "CacheBlend": {"launches": 3200, "triton": 320, "syncs": 22, "cuda_syncs": 24,
+                       "sync_sites": {"aten::nonzero preview.py:64": 2}},
+        "full prefill": {"launches": 1440, "triton": 0, "syncs": 1, "sync_sites": {}},
+    }  # fmt: skip
+    profile = {
+        "tokens": 8000,
+        "CacheBlend": {"wall_ms": 100.0, "kernel_ms": 85.0, "kernels": 3000, "top": []},
+        "full prefill": {"wall_ms": 230.0, "kernel_ms": 225.0, "kernels": 1440, "top": []},
+    }
+    result = {
+        "agreement": [],
+        "timing": [],
+        "profile": [profile],
+        "counts": [counts],
+        "shape_detail": {"layers": 32},
+        "stage_profile": {"load": {"fixed_ms": 1.5, "per_1k_tokens_ms": 0.25}},
+    }
+    rows = {row.case: row.measurement for row in device_blend.to_rows(result, bench)}
+    blend = rows["8,000 tokens: CacheBlend, launches and syncs per request"]
+    assert "3200 launches (100 per layer; 320 Triton), 22 host-device syncs" in blend
+    assert "24 seen by torch's sync debug mode" in blend and "preview.py:64 x2" in blend
+    assert "GPU busy 85% of the wall time" in rows["8,000 tokens: CacheBlend, under the profiler"]
+    assert rows["stage profile: load"] == "1.5 ms fixed + 0.25 ms per 1k tokens"

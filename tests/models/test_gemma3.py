@@ -291,7 +291,7 @@ def test_preview_scores_only_the_layers_that_see_the_whole_prompt(gemma, monkeyp
     def fake(q, k, v, positions, scale, rows, **kw):
         out, _, last = real(q, k, v, positions, scale, rows, **kw)
         mass = torch.zeros(k.shape[0])
-        windowed = "window" in kw
+        windowed = kw.get("window") is not None
         mass[[40, 41] if windowed else [90, 100]] = 100.0 if windowed else 1.0
         return out, mass, torch.zeros_like(last)
 

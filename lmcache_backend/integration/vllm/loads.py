@@ -101,7 +101,7 @@ class Loads:
         prefix = self.read_rows(slots[: spec.prefix_len]) if spec.prefix_len else None
         timer.lap("prefix read")
         block_ids = torch.as_tensor(spec.block_ids, dtype=torch.int64) if attend else None
-        target.point_at(slots[spec.prefix_len :], spec.prefix_len, stop, block_ids)
+        target.point_at(slots[spec.prefix_len :], spec.prefix_len, stop, block_ids, num_tokens)
         request = BlendRequest(
             token_ids=spec.token_ids,
             cached_prefix=prefix,

@@ -18,10 +18,25 @@ import torch
 from lmcache_backend.blend.engine_side import KVTarget, PreviewAttend
 from lmcache_backend.integration.vllm.attention_choice import SelectedAttention
 from lmcache_backend.integration.vllm.layouts import AttentionPlan, LayerCache, PagedLayout
+from lmcache_backend.ops.memo import TensorMemo
+
+
+def _cache_device(caches: list[LayerCache]) -> torch.device:
+    """Where the layers' caches live (the CPU without any)."""
+    if not caches:
+        return torch.device("cpu")
+    first = caches[0]
+    return (first if isinstance(first, torch.Tensor) else first[0]).device
 
 
 class PagedCacheTarget(KVTarget):
     """Writes the claimed rows of one request at a time; attends over them where it can.
+
+    What a request's layers share is prepared once, in :meth:`point_at`, on the caches' device:
+    every row's slot (``-1``, which the layouts' writes skip, for rows the request does not
+    write), the block table in the cache's own blocks; the slots of a set of rows are looked up
+    once per set (the layer loop passes the same rows to every layer). No layer waits for the
+    device.
 
     Args:
         layout: how one layer's rows are written and read by slot.
@@ -47,21 +62,41 @@ class PagedCacheTarget(KVTarget):
         self._plan: AttentionPlan | None = None
         self.paged_layers = 0
         self.engine_previewed = False
+        self._device = _cache_device(caches)
+        self._slot_of_row = torch.empty(0, dtype=torch.int64, device=self._device)
+        self._kernel_table: torch.Tensor | None = None
+        self._row_slots: TensorMemo[torch.Tensor] = TensorMemo()
 
     def for_sliced_loads(self) -> PagedCacheTarget:
         """A target of its own for a sliced load, on the same caches and kernels."""
         return PagedCacheTarget(self.layout, self.caches, self.kernels, blend_in_layers=True)
 
     def point_at(
-        self, slots: torch.Tensor, start: int, stop: int, block_ids: torch.Tensor | None = None
+        self,
+        slots: torch.Tensor,
+        start: int,
+        stop: int,
+        block_ids: torch.Tensor | None = None,
+        num_tokens: int | None = None,
     ) -> None:
-        """Write tokens ``start..stop-1`` to ``slots`` (``[stop - start]``); with ``block_ids``
-        (the request's whole block table, ``stop`` its last token + 1) attend over them too."""
+        """Write tokens ``start..stop-1`` to ``slots`` (``[stop - start]``, host); with
+        ``block_ids`` (the request's whole block table, ``stop`` its last token + 1) attend over
+        them too. ``num_tokens``: the request's tokens (rows from ``stop`` on are passed to
+        :meth:`write_rows` and not written; default ``stop``)."""
         self.slots, self.start, self.stop = slots, start, stop
         self.block_ids = block_ids if self.kernels.reads_blocks else None
         self._plan = None
         self.paged_layers = 0  # layers of the current request attended over the paged cache
         self.engine_previewed = False  # the request's preview ran through vLLM's forward pass
+        # every row's slot, -1 where this request writes nothing: one copy to the device per
+        # request, then a write looks its rows up without asking which of them are its own
+        table = torch.full((max(stop, num_tokens or 0),), -1, dtype=torch.int64)
+        table[start:stop] = slots
+        self._slot_of_row = table.to(self._device)
+        self._kernel_table = None
+        if self.block_ids is not None and self.kernels.device:
+            self._kernel_table = self.layout.kernel_block_table(self.block_ids.to(self._device))
+        self._row_slots.clear()
 
     def release(self) -> None:
         """Forget the request (nothing is written until the next :meth:`point_at`)."""
@@ -122,15 +157,22 @@ class PagedCacheTarget(KVTarget):
     def write_rows(
         self, layer_id: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
-        """Write ``keys``/``values`` ``[N, Hkv, D]`` of the token indices ``rows [N]``."""
-        slots, keys, values = self._own_rows(rows, keys, values)
-        if slots.numel():
-            self.layout.write(self.caches[layer_id], keys, values, slots)
+        """Write ``keys``/``values`` ``[N, Hkv, D]`` of the token indices ``rows [N]``; rows
+        outside ``start..stop-1`` (vLLM's prefix cache, beyond the claim) are skipped."""
+        if rows.numel():
+            self.layout.write(self.caches[layer_id], keys, values, self.slots_of(rows))
+
+    def slots_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[N]`` slots of the token indices ``rows [N]``, ``-1`` for a row this request does
+        not write; looked up once for the same ``rows`` tensor."""
+        table = self._slot_of_row
+        return self._row_slots.get((rows,), lambda: table[rows.to(table.device)])
 
     def _own_rows(self, rows: torch.Tensor, *aligned: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(slots, *aligned)`` of the sorted token indices ``rows [N]`` this request writes
         (``start..stop-1``), each ``aligned`` tensor (``[N, ...]``) cut to the same rows:
-        tokens already in vLLM's prefix cache, or beyond the claim, are left out."""
+        tokens already in vLLM's prefix cache, or beyond the claim, are left out (once per
+        request: the cut reads ``rows`` back)."""
         if rows.numel() and (int(rows[0]) < self.start or int(rows[-1]) >= self.stop):
             keep = (rows >= self.start) & (rows < self.stop)
             rows, aligned = rows[keep], tuple(t[keep] for t in aligned)
@@ -166,7 +208,11 @@ class PagedCacheTarget(KVTarget):
         if self.kernels.device:
             if self.kernels.device_contiguous and keys is not None and values is not None:
                 return self.kernels.tiled(q, keys, values, positions.to(keys.device), scale)
-            return self.layout.attention(self.caches[layer_id], q, self.block_ids, positions, scale)
+            # every query is below ``stop``, which the block table covers: the kernel need not
+            # read the positions back to check
+            return self.layout.attention(
+                self.caches[layer_id], q, self._kernel_table, positions, scale, key_end=self.stop
+            )
         if self.kernels.tiled is not None:
             return self.kernels.tiled(q, keys, values, positions, scale)
         plan = self._plan

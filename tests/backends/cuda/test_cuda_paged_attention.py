@@ -166,3 +166,32 @@ def test_every_tiling_matches_the_reference(tiling) -> None:
     got = paged_kernel(q, key_cache, value_cache, table, positions, dim**-0.5, tiling=tiling)
     want = attention_at_positions(q, keys, values, positions, dim**-0.5)
     assert_close(got, want, torch.float32)
+
+
+def test_a_host_bound_on_the_positions_is_checked_without_reading_them() -> None:
+    """``key_end`` (the caller's bound on every position + 1): the verifier checks the block
+    table against it and reads nothing back from the device; the answer is the same."""
+    from lmcache_backend.bench.launch_count import LaunchCounter
+
+    g = torch.Generator().manual_seed(4)
+    key_cache, value_cache = _caches("nhd", 6, 2, 32, torch.float32)
+    table = torch.tensor([4, 1, 3], device=DEVICE)
+    _fill(key_cache, value_cache, table, 48, g)
+    positions = torch.tensor([40, 47], device=DEVICE)
+    q = torch.randn(2, 2, 32, generator=g).to(DEVICE)
+    ops = get_ops("cuda")
+    args = (q, key_cache, value_cache, table, positions, 0.2)
+    with LaunchCounter() as counter:
+        reason = ops.decline_reason("paged_attention_at_positions", *args, key_end=48)
+    assert reason is None and counter.counts.syncs == 0
+    past = ops.decline_reason("paged_attention_at_positions", *args, key_end=49)
+    assert past == "q_positions reach past the block table"
+    torch.testing.assert_close(
+        ops.paged_attention_at_positions(*args, key_end=48), ops.paged_attention_at_positions(*args)
+    )
+    # the reference reads the rows up to the bound: the same answer
+    assert_close(
+        paged_attention_at_positions(*args, key_end=48),
+        ops.paged_attention_at_positions(*args),
+        torch.float32,
+    )

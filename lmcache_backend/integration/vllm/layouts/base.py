@@ -38,3 +38,8 @@ class PagedLayout:
     def read(self, cache: LayerCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, Hkv, D]`` keys and values at ``slots`` (``[T]``, any device)."""
         raise NotImplementedError
+
+    def kernel_block_table(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """The request's scheduler blocks ``block_ids [nb]`` as the blocks the attention
+        kernel reads; only layouts whose kernels read block tables have one."""
+        raise NotImplementedError(f"{type(self).__name__} has no kernel block table")

@@ -140,17 +140,21 @@ class DeviceLayout(PagedLayout):
         self,
         cache: LayerCache,
         q: torch.Tensor,
-        block_ids: torch.Tensor,
+        block_table: torch.Tensor,
         positions: torch.Tensor,
         scale: float,
+        *,
+        key_end: int | None = None,
     ) -> torch.Tensor:
         """``q [N, Hq, D]`` at sorted ``positions [N]`` over one request's rows of ``cache``,
-        read through its block table (``block_ids``: the request's scheduler blocks), by the op
-        registry's ``paged_attention_at_positions`` -> ``[N, Hq, D]``."""
+        read through its block table (``block_table``: :meth:`kernel_block_table` of the
+        request's blocks, on the cache's device), by the op registry's
+        ``paged_attention_at_positions`` -> ``[N, Hq, D]``. ``key_end``: a bound on every
+        query's position + 1 that the table covers (None: the op reads the positions back to
+        check)."""
         k_cache, v_cache = self.views(cache)
-        table = self.kernel_block_table(block_ids.to(k_cache.device))
         return self.ops.paged_attention_at_positions(
-            q, k_cache, v_cache, table, positions.to(k_cache.device), scale
+            q, k_cache, v_cache, block_table, positions.to(k_cache.device), scale, key_end=key_end
         )
 
     def describe(self) -> str:
