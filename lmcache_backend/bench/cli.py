@@ -15,7 +15,13 @@ from lmcache_backend.bench.devset import prompt_shape_for
 from lmcache_backend.bench.engine_choice import ENGINE_CHOICES, EngineUnavailable, create_engine
 from lmcache_backend.bench.engines import BenchEngine
 from lmcache_backend.bench.report import LEGEND, case_dicts, format_sweep, format_table, summarize
-from lmcache_backend.bench.runner import SweepPoint, run_examples, run_sweep, steps_per_case
+from lmcache_backend.bench.runner import (
+    WARM_MODES,
+    SweepPoint,
+    run_examples,
+    run_sweep,
+    steps_per_case,
+)
 from lmcache_backend.bench.strategies import (
     Strategy,
     build_strategies,
@@ -68,8 +74,37 @@ def _selections(text: str) -> list[str]:
     return names
 
 
+def _warm(text: str) -> str:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in (*WARM_MODES, "auto")]
+    if bad or not modes or ("auto" in modes and len(modes) > 1) or len(set(modes)) < len(modes):
+        raise ValueError(
+            f"--warm {text!r}: give auto, or one or both of {', '.join(WARM_MODES)} "
+            "separated by a comma"
+        )
+    return ",".join(modes)
+
+
+def warm_modes(warm: str, dataset: str | None) -> list[str]:
+    """The store fillings ``--warm`` asks for, in order; ``auto``: chunks encoded alone
+    (``ingest``) for the MuSiQue sets (real RAG over a pre-encoded corpus, CacheBlend's own
+    setting), an earlier request (``request``) for the others."""
+    from lmcache_backend.bench.musique import is_musique
+
+    if warm == "auto":
+        return ["ingest"] if dataset and is_musique(str(dataset)) else ["request"]
+    return warm.split(",")
+
+
 def _schedule(text: str):
     return None if text.strip().lower() == "none" else parse_schedule(text)
+
+
+#: how each store filling is named above its table
+WARM_LABELS = {
+    "ingest": "ingest (each chunk computed alone after the system part)",
+    "request": "an earlier request (the chunks in order, another question)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,11 +236,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--warm",
-        choices=("request", "ingest"),
-        default="request",
-        help="how the store is filled before each example: request (an earlier request with "
-        "the chunks in order) or ingest (each chunk alone after the system part, as "
-        "lmcache-backend ingest encodes a corpus) (default: request)",
+        type=_arg(_warm),
+        default="auto",
+        help="how the store is filled before each example: ingest (each chunk computed alone "
+        "after the system part, as lmcache-backend ingest encodes a corpus), request (an "
+        "earlier request with the chunks in order), or both as ingest,request (each strategy "
+        "once per setting); auto: ingest for the MuSiQue sets, request for the others "
+        "(default: auto)",
     )
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
@@ -309,26 +346,38 @@ def run(
     )
     if skipped:
         print(f"--engine {args.engine} cannot run: {', '.join(skipped)}", file=out)
-    total = len(examples) * steps_per_case(strategies, args.repeats)
+    modes = warm_modes(args.warm, args.dataset)
+    total = len(modes) * len(examples) * steps_per_case(strategies, args.repeats)
     total += len(points) * steps_per_case(strategies, args.sweep_repeats)
     started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    examples_out: list[dict[str, Any]] = []
     with tqdm(total=total, unit="prefill", disable=args.no_progress, file=sys.stderr) as bar:
-        cases = run_examples(
-            engine, strategies, examples, args.repeats, args.max_new_tokens, bar.update, args.warm
-        )
+        for mode in modes if examples else []:
+            cases = run_examples(
+                engine, strategies, examples, args.repeats, args.max_new_tokens, bar.update, mode
+            )
+            mode_rows = summarize(cases, strategies)
+            for row in mode_rows:
+                row["warm"] = mode
+                if len(modes) > 1:
+                    row["strategy"] += f" [{mode}]"
+            print(f"\nchunks stored by {WARM_LABELS[mode]}:", file=out)
+            print(format_table(mode_rows), file=out)
+            rows += mode_rows
+            examples_out += [dict(case, warm=mode) for case in case_dicts(cases)]
         swept = dict(
             zip(points, run_sweep(engine, strategies, points, args.sweep_repeats, bar.update))
         )
     setup.update(load_after=os.getloadavg(), wall_s=time.perf_counter() - started)
-    rows = summarize(cases, strategies) if cases else []
     if rows:
-        print(format_table(rows), file=out)
         print(LEGEND, file=out)
     result: dict[str, Any] = {
         "setup": setup,
         "args": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "warm": modes,
         "strategies": rows,
-        "examples": case_dicts(cases),
+        "examples": examples_out,
         "sweep": None,
     }
     if args.sweep:

@@ -137,6 +137,16 @@ def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def standard_error(values: Sequence[float]) -> float | None:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); None for fewer than
+    two values."""
+    if len(values) < 2:
+        return None
+    m = sum(values) / len(values)
+    variance = sum((v - m) ** 2 for v in values) / (len(values) - 1)
+    return (variance / len(values)) ** 0.5
+
+
 def recovered_fraction(value: float, worst: float, best: float) -> float | None:
     """How much of the gap from ``worst`` (naive reuse) to ``best`` (full prefill) ``value``
     closes: 0 = no better than naive reuse, 1 = as good as full prefill. None without a gap."""
