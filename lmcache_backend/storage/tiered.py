@@ -178,4 +178,4 @@ class TieredStore(SegmentStore):
 def _on_cpu(kv: SegmentKV) -> SegmentKV:
     if kv.keys.device.type == "cpu" and kv.values.device.type == "cpu":
         return kv
-    return SegmentKV(kv.keys.to("cpu"), kv.values.to("cpu"), kv.start_position)
+    return kv.with_tensors(kv.keys.to("cpu"), kv.values.to("cpu"))
