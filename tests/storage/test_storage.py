@@ -151,6 +151,7 @@ def test_codec_reads_an_entry_written_before_provenance_as_unknown():
     out = serde.decode(data, key, FP_HEX, LAYOUT)
     assert same(out, make_kv(key))
     assert out.context is None and out.preceding is None and out.staleness is None
+
     # and an entry without provenance is still written as then (the same header fields; their
     # order in the JSON is not fixed)
     def fields(entry: bytes) -> dict:
