@@ -67,13 +67,15 @@ class _BlendConfigMethods:
                 ratios,
                 f"give one ratio or one per check layer ({len(layers)} check layers: {layers})",
             )
-        if self.blend_min_read_share > 0 and self.blend_selection not in PREVIEW_SELECTION_CHOICES:
-            raise self._fail(
-                "blend_min_read_share",
-                self.blend_min_read_share,
-                f"needs a preview selection ({', '.join(PREVIEW_SELECTION_CHOICES)}), and "
-                f"blend_selection is {self.blend_selection!r}",
-            )
+        for knob in ("blend_min_read_share", "blend_max_divergence"):
+            value = getattr(self, knob)
+            if value > 0 and self.blend_selection not in PREVIEW_SELECTION_CHOICES:
+                raise self._fail(
+                    knob,
+                    value,
+                    f"needs a preview selection ({', '.join(PREVIEW_SELECTION_CHOICES)}), and "
+                    f"blend_selection is {self.blend_selection!r}",
+                )
         if not self.use_layerwise and self.enable_blending:
             logger.info("use_layerwise=False is ignored: CacheBlend always runs layer by layer")
 

@@ -62,6 +62,14 @@ def _shares(text: str) -> list[float]:
     return values
 
 
+def _divergences(text: str) -> list[float]:
+    values = parse_floats(text)
+    bad = [v for v in values if not v > 0.0]
+    if bad:
+        raise ValueError(f"divergence bounds must be > 0, got {bad}")
+    return values
+
+
 def _selections(text: str) -> list[str]:
     from lmcache_backend.config import SELECTION_CHOICES
 
@@ -173,6 +181,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "value, e.g. 0.6,0.8 (default: none)",
     )
     parser.add_argument(
+        "--max-divergences",
+        type=_arg(_divergences),
+        default=[],
+        help="the divergence knob (blend_max_divergence) on top of each ratio, one strategy per "
+        "value, e.g. 0.05,0.1 (default: none)",
+    )
+    parser.add_argument(
         "--oracle-ratios",
         type=_arg(_ratios),
         default=[],
@@ -274,6 +289,7 @@ def strategies_from_args(args: argparse.Namespace) -> list[Strategy]:
         selections=args.selections,
         read_shares=args.read_shares,
         oracle_ratios=args.oracle_ratios,
+        max_divergences=args.max_divergences,
     )
 
 

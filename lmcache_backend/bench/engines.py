@@ -32,6 +32,7 @@ class PrefillRun:
         state: what the engine needs to decode from this prefill.
         read_share: what the recomputed tokens hold of the question's reads (a preview
             selection's blend), else None.
+        divergence: the blend's divergence estimate (a preview selection's blend), else None.
     """
 
     logits: torch.Tensor
@@ -42,6 +43,7 @@ class PrefillRun:
     fallback_reason: str | None = None
     state: Any = None
     read_share: float | None = None
+    divergence: float | None = None
 
 
 @dataclass

@@ -103,6 +103,11 @@ class HFEngine:
             blend_min_read_share=(
                 config.blend_min_read_share if strategy.read_share is None else strategy.read_share
             ),
+            blend_max_divergence=(
+                config.blend_max_divergence
+                if strategy.max_divergence is None
+                else strategy.max_divergence
+            ),
         )
 
     def supports(self, strategy: Strategy) -> bool:
@@ -149,6 +154,7 @@ class HFEngine:
             fallback_reason=result.fallback_reason,
             state=prefill,
             read_share=result.read_share,
+            divergence=result.divergence,
         )
 
     def _oracle_mask(self, strategy: Strategy, tokens: list[int]) -> torch.Tensor:

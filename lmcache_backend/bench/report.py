@@ -11,6 +11,7 @@ from lmcache_backend.bench.metrics import (
     mean,
     pairwise_ratios,
     recovered_fraction,
+    spearman,
     standard_error,
 )
 from lmcache_backend.bench.runner import CaseResult
@@ -77,6 +78,8 @@ def summarize(cases: Sequence[CaseResult], strategies: Sequence[Strategy]) -> li
             ),
             margin_median=_median([m for o in outs for m in o.margins or ()]),
             read_share=mean([o.read_share for o in outs if o.read_share is not None]),
+            divergence=mean([o.divergence for o in outs if o.divergence is not None]),
+            divergence_spearman=_divergence_spearman(outs),
             cache_bytes=mean([float(o.cache_bytes) for o in outs if o.cache_bytes is not None]),
             fallbacks=sum(o.fallback_reason is not None for o in outs),
         )
@@ -90,6 +93,15 @@ def summarize(cases: Sequence[CaseResult], strategies: Sequence[Strategy]) -> li
             else None
         )
     return rows
+
+
+def _divergence_spearman(outs: Sequence[Any]) -> float | None:
+    """Spearman's rank correlation over prompts of the divergence estimate with the answer KL
+    (how well the estimate ranks the prompts by their measured distance), or None."""
+    pairs = [(o.divergence, o.answer_kl) for o in outs if None not in (o.divergence, o.answer_kl)]
+    if len(pairs) < 3:
+        return None
+    return spearman([p[0] for p in pairs], [p[1] for p in pairs])
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -135,7 +147,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     header = (
         f"{'strategy':<40} {'TTFT ms':>8} {'vs full':>8} {'recomp':>7} {'tok-lay':>7} "
         f"{'acc':>5} {'acc/full':>8} {'agree':>6} {'F1/full ±se':>13} {'F1 gold':>7} {'KL':>7} "
-        f"{'ans KL ±se':>13} {'top1':>5} {'margin':>6} {'read':>5} {'gap closed':>11} "
+        f"{'ans KL ±se':>13} {'top1':>5} {'margin':>6} {'read':>5} {'div':>6} {'div ρ':>5} "
+        f"{'gap closed':>11} "
         f"{'cache MiB':>9}"
     )
     lines = [header, "-" * len(header)]
@@ -148,7 +161,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{_num(r['gold_f1'], '.3f'):>7} {r['kl']:>7.3f} "
             f"{_with_se(r['answer_kl'], r['answer_kl_se']):>13} "
             f"{_pct(r['answer_top1_agreement']):>5} {_num(r['margin_median'], '.2f'):>6} "
-            f"{_pct(r['read_share']):>5} "
+            f"{_pct(r['read_share']):>5} {_num(r['divergence'], '.4f'):>6} "
+            f"{_num(r['divergence_spearman'], '.2f'):>5} "
             f"{_pct(r['accuracy_recovered']) + ' / ' + _pct(r['kl_recovered']):>11} "
             f"{_num(None if r['cache_bytes'] is None else r['cache_bytes'] / _MIB, '.1f'):>9}"
         )
@@ -170,8 +184,10 @@ LEGEND = (
     "prefill's; margin: full prefill's log-prob gap between its top two tokens, median over its\n"
     "answer's tokens (full prefill's row) or over the tokens where the strategy's top choice\n"
     "differs (the others; small = a near-tie); read: share of the question's reads of the reused\n"
-    "text held by the recomputed tokens (preview selections); gap closed: share of naive reuse's\n"
-    "loss won back, accuracy / KL; cache MiB: cached K/V the strategy draws on."
+    "text held by the recomputed tokens (preview selections); div: the blend's divergence\n"
+    "estimate, mean; div ρ: its Spearman rank correlation with ans KL over prompts; gap closed:\n"
+    "share of naive reuse's loss won back, accuracy / KL; cache MiB: cached K/V the strategy\n"
+    "draws on."
 )
 
 

@@ -63,6 +63,8 @@ class StrategyOutcome:
     fallback_reason: str | None = None
     #: what the recomputed tokens held of the question's reads (preview selections)
     read_share: float | None = None
+    #: the blend's divergence estimate (preview selections)
+    divergence: float | None = None
 
     @property
     def ttft_ms(self) -> float:
@@ -113,6 +115,7 @@ def _untimed_pass(
             cache_bytes=engine.cache_bytes(strategy),
             fallback_reason=run.fallback_reason,
             read_share=run.read_share,
+            divergence=run.divergence,
         )
         if max_new_tokens > 0:
             answer = engine.decode(tokens, run, max_new_tokens)

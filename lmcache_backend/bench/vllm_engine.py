@@ -134,6 +134,8 @@ class VLLMEngine:
                 params["blend_selection"] = strategy.selection
             if strategy.read_share is not None:
                 params["blend_min_read_share"] = strategy.read_share
+            if strategy.max_divergence is not None:
+                params["blend_max_divergence"] = strategy.max_divergence
             return params
         return {"blend": False}
 
@@ -192,6 +194,7 @@ class VLLMEngine:
             run.reused_tokens = reusable
             run.fallback_reason = record["fallback_reason"]
             run.read_share = record.get("read_share")
+            run.divergence = record.get("divergence")
         elif strategy.kind == BLEND:
             run.fallback_reason = "the connector did not claim the prompt"
         return run

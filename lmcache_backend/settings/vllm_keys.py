@@ -31,7 +31,8 @@ CONNECTOR_KEYS: tuple[Setting, ...] = (
         details='Blended (`"blended": true`): tokens, claimed, reusable, recomputed, '
         "`recompute_fraction`, `token_layer_fraction`, `attention_fraction` (the last layer's "
         "query-key pairs as a share of a full prefill's), `read_share` (what the recomputed "
-        "tokens hold of the question's reads, preview selections). Left to vLLM "
+        "tokens hold of the question's reads, preview selections), `divergence` (the blend's "
+        "divergence estimate, preview selections). Left to vLLM "
         '(`"blended": false`): `reason` (`blending '
         "off`, `opted out`, `lora`, `no reusable span`, `below blend_min_tokens`, `would not "
         "pay`), `detail`, `num_reusable`, `predicted_cost_share`; the server's log says the "

@@ -294,6 +294,8 @@ class WorkerSide:
             out.observe("vllm:cacheblend_recompute_share", record.recompute_fraction)
             if record.read_share is not None:
                 out.observe("vllm:cacheblend_read_share", record.read_share)
+            if record.divergence is not None:
+                out.observe("vllm:cacheblend_divergence", record.divergence)
         self._records_counted = len(records)
         store = self.store.stats() if hasattr(self.store, "stats") else {}
         last = self._store_counted
