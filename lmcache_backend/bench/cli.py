@@ -259,6 +259,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "once per setting); auto: ingest for the MuSiQue sets, request for the others "
         "(default: auto)",
     )
+    parser.add_argument(
+        "--staleness-probes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with chunks encoded alone (ingest): compute each stored chunk after K probe "
+        "contexts (passages of other examples) and store its staleness prior, as "
+        "lmcache-backend ingest --staleness-probes does (default: 0, none)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -316,6 +325,8 @@ def _validate(args: argparse.Namespace, num_layers: int) -> None:
         raise SystemExit("bench: --repeats must be >= 0 (0: quality only)")
     if args.sweep_repeats < 1:
         raise SystemExit("bench: --sweep-repeats must be >= 1")
+    if args.staleness_probes < 0:
+        raise SystemExit("bench: --staleness-probes must be >= 0")
 
 
 def run(
@@ -370,15 +381,29 @@ def run(
     examples_out: list[dict[str, Any]] = []
     with tqdm(total=total, unit="prefill", disable=args.no_progress, file=sys.stderr) as bar:
         for mode in modes if examples else []:
+            probes = args.staleness_probes if mode == "ingest" else 0
             cases = run_examples(
-                engine, strategies, examples, args.repeats, args.max_new_tokens, bar.update, mode
+                engine,
+                strategies,
+                examples,
+                args.repeats,
+                args.max_new_tokens,
+                bar.update,
+                mode,
+                probes,
             )
             mode_rows = summarize(cases, strategies)
             for row in mode_rows:
                 row["warm"] = mode
                 if len(modes) > 1:
                     row["strategy"] += f" [{mode}]"
-            print(f"\nchunks stored by {WARM_LABELS[mode]}:", file=out)
+            warm_s = sum(c.warm_s for c in cases) / len(cases)
+            probed = f", {probes} staleness probes each" if probes else ""
+            print(
+                f"\nchunks stored by {WARM_LABELS[mode]}{probed}; the store filled in "
+                f"{warm_s:.1f} s per example:",
+                file=out,
+            )
             print(format_table(mode_rows), file=out)
             rows += mode_rows
             examples_out += [dict(case, warm=mode) for case in case_dicts(cases)]

@@ -79,6 +79,10 @@ class BenchEngine(Protocol):
     def warm(self, token_ids: Sequence[int]) -> None:
         """Full prefill of ``token_ids``; keep its segments (and its prefix) for reuse."""
 
+    def probe(self, token_ids: Sequence[int], probes: int) -> None:
+        """A staleness probe of ``token_ids``: measure the stored segments it holds, each
+        entry getting its prior after ``probes`` probes; store nothing."""
+
     def supports(self, strategy: Strategy) -> bool:
         """Whether this engine can run ``strategy``."""
 

@@ -91,6 +91,9 @@ class HFEngine:
         # What a prefix cache would hold after serving this prompt.
         self._prompts.append((tokens, prefill.keys, prefill.values))
 
+    def probe(self, token_ids: Sequence[int], probes: int) -> None:
+        self.core.probe(token_ids, probes)
+
     def _config(self, strategy: Strategy):
         """The request settings of ``strategy``."""
         config = self.core.config

@@ -151,6 +151,11 @@ class VLLMEngine:
         self._warm_ids = list(token_ids)
         self._generate(token_ids, {"blend": False}, 1)  # computes and stores every segment
 
+    def probe(self, token_ids: Sequence[int], probes: int) -> None:
+        from lmcache_backend.settings.vllm_keys import STALENESS_PROBES
+
+        self._generate(token_ids, {"blend": False, STALENESS_PROBES: probes}, 1)
+
     def _prepare(self, strategy: Strategy) -> None:
         """Empty vLLM's prefix cache (prefix caching: fill it with the warm-up prompt)."""
         self.llm.reset_prefix_cache()

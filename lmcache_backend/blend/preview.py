@@ -32,9 +32,9 @@ from lmcache_backend.blend.selection import (
     span_ranked,
 )
 from lmcache_backend.blend.staleness import (
+    attention_shares,
     count_for_divergence,
     divergence,
-    reads_of_text,
     token_staleness,
 )
 from lmcache_backend.ops.reference import select_topk_with_invalid, selection_count
@@ -104,7 +104,7 @@ def preview_selection(
     reads = scores.clone()  # what the question reads of each token, before the ranking adjusts it
     # how stale each token's K/V may be, from what the store recorded (blend/staleness.py)
     stale = token_staleness(meta, scores.device)
-    shares = reads_of_text(meta, reads)
+    shares = attention_shares(compute.agreed(mass.last_reads))
     if config.blend_selection == QUERY_PREVIEW_STALE:
         scores = scores * stale
     if config.blend_position_discount > 0:

@@ -123,8 +123,8 @@ class BlendMetadata:
         read_share: the share of what the question reads of the reusable tokens (the preview's
             scores) that the recomputed ones hold; None without a preview
             (:mod:`lmcache_backend.blend.read_share`).
-        divergence: the blend's divergence estimate: the staleness-weighted share of the
-            question's reads that stay on tokens not recomputed; None without a preview
+        divergence: the blend's divergence estimate: the staleness-weighted share of the last
+            prompt token's attention left on tokens not recomputed; None without a preview
             (:mod:`lmcache_backend.blend.staleness`).
     """
 

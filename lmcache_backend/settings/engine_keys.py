@@ -139,7 +139,7 @@ ENGINE_KEYS: tuple[Setting, ...] = (
         "preview selections recompute more tokens, up to `blend_max_recompute_ratio`, until "
         "the blend's divergence estimate is at most this",
         details="the estimate (the stats record's `divergence`) is the staleness-weighted share "
-        "of the question's reads left on tokens not recomputed; 0: off "
+        "of the last prompt token's attention left on tokens not recomputed; 0: off "
         "([quality.md](docs/quality.md#the-divergence-knob-blend_max_divergence))",
         group="blend",
         per_request=True,

@@ -161,6 +161,12 @@ class SegmentStore(ABC):
         capacity is skipped). An existing entry is kept: the first computation of a segment wins,
         so concurrent stores of one segment cannot mix halves of two computations."""
 
+    def replace(self, key: str, kv: SegmentKV) -> bool:
+        """Store ``kv`` under ``key`` in place of the entry there: the same segment with more
+        to it (its staleness prior), never another computation of it. Returns whether it was
+        stored. The default: not supported (False)."""
+        return False
+
     @abstractmethod
     def contains(self, key: str) -> bool:
         """Whether ``get(key)`` would hit, without loading the value."""

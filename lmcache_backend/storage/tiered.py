@@ -88,6 +88,15 @@ class TieredStore(SegmentStore):
     def put(self, key: str, kv: SegmentKV) -> bool:
         return self._store_in(self.tiers, key, kv)
 
+    def replace(self, key: str, kv: SegmentKV) -> bool:
+        """``kv`` in place of ``key``'s entry in every tier (see :meth:`Tier.replace`)."""
+        for tier in self.tiers:
+            try:
+                tier.remove(key)
+            except Exception:  # a tier must never fail the request; log and go on
+                logger.exception("%s tier: remove failed", tier.name)
+        return self._store_in(self.tiers, key, kv)
+
     def _store_in(self, tiers: Sequence[Tier], key: str, kv: SegmentKV) -> bool:
         cpu_kv: SegmentKV | None = None
         stored = stored_locally = False

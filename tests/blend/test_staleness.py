@@ -115,3 +115,64 @@ def test_the_divergence_knob_needs_a_preview_selection():
         load_config(env={}, blend_max_divergence=0.1, blend_selection="kv_deviation")
     with pytest.raises(ConfigError, match="blend_max_divergence"):
         load_config(env={}, blend_max_divergence=-0.1)
+
+
+def _entry_of(cache, chunk):
+    """The stored entry of ``chunk`` encoded alone after the system part."""
+    alone = rag_prompt(SYS, chunk, Q1)
+    return cache.store.get(cache.key(alone, cache.segments(alone)[1]))
+
+
+def test_a_probe_gives_each_stored_chunk_its_measured_prior(llama):
+    """Two staleness probes (each chunk computed after other text) give each chunk stored alone
+    the mean of the two measured deviations: keys re-rotated to the probe's positions, every
+    layer; the exact system part and anything not held are left alone; nothing is stored."""
+    from lmcache_backend.blend.staleness_prior import ProbeAccumulator, measure_probe
+    from lmcache_backend.integration.hf.engine import hf_full_prefill
+    from lmcache_backend.ops.reference import rope_rerotate_k
+
+    blender, cache = setup_blender(llama)
+    for chunk in (C1, C2):
+        warm_store(llama, cache, rag_prompt(SYS, chunk, Q1))
+    held = len(cache.store._entries)
+    pending = ProbeAccumulator()
+    model, ops = blender.model, blender.ops
+    measured = []
+    for context in (C3, Q2 + C3):
+        tokens = rag_prompt(SYS, context, C1, Q1)
+        pre = hf_full_prefill(llama, tokens)
+
+        def rows_of(segment, pre=pre):
+            rows = slice(segment.start, segment.end)
+            keys = torch.stack([k[rows] for k in pre.keys])
+            return keys, torch.stack([v[rows] for v in pre.values])
+
+        at = len(SYS) + len(SEP) + len(context) + len(SEP)
+        c1 = slice(at, at + len(C1) + len(SEP))
+        stored = _entry_of(cache, C1)
+        # the reference: the stored keys turned to the probe's positions by the torch rotation
+        keys = stored.keys.clone()
+        n = keys.shape[1]
+        old = torch.arange(stored.start_position, stored.start_position + n)
+        for layer in range(keys.shape[0]):
+            rope_rerotate_k(
+                keys[layer], old, torch.arange(at, at + n), model.cos_sin_cache, model.is_neox
+            )
+        k_probe = torch.stack([k[c1] for k in pre.keys])
+        v_probe = torch.stack([v[c1] for v in pre.values])
+        dk = (k_probe - keys).pow(2).sum(dim=(-1, -2))
+        dv = (v_probe - stored.values).pow(2).sum(dim=(-1, -2))
+        measured.append((dk + dv).sqrt())
+        written = measure_probe(cache, tokens, rows_of, 2, pending, model, ops)
+    assert written == 1 and len(cache.store._entries) == held  # C1's entry, replaced
+    entry = _entry_of(cache, C1)
+    expected = (measured[0] + measured[1]) / 2
+    assert entry.staleness.dtype == torch.float16
+    assert entry.staleness.shape == (llama.config.num_hidden_layers, len(C1) + len(SEP))
+    # fp32 model, fp16 prior: 1e-3 relative
+    torch.testing.assert_close(entry.staleness.float(), expected, rtol=1e-3, atol=1e-3)
+    assert bool((entry.staleness[1:] > 0).all())  # every layer after the first moved
+    assert entry.context == stored.context  # the entry is the same computation, with its prior
+    torch.testing.assert_close(entry.keys, stored.keys, rtol=0, atol=0)
+    other = _entry_of(cache, C2)
+    assert other.staleness is None  # never probed

@@ -107,8 +107,8 @@ METRICS: dict[str, tuple[str, str | None, str]] = {
     "vllm:cacheblend_divergence": (
         HISTOGRAM,
         None,
-        "A blended request's divergence estimate: the staleness-weighted share of its "
-        "question's reads left on tokens not recomputed (preview selections; "
+        "A blended request's divergence estimate: the staleness-weighted share of its last "
+        "prompt token's attention left on tokens not recomputed (preview selections; "
         "blend_max_divergence bounds it).",
     ),
     "vllm:cacheblend_store_hits": (COUNTER, "tier", "Segment loads served, by store tier."),

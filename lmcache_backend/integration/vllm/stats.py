@@ -94,8 +94,9 @@ class BlendRecord:
     #: the share of what the question reads of the reusable tokens that the recomputed ones
     #: hold (preview selections; ``blend_min_read_share`` targets it), else None
     read_share: float | None = None
-    #: the blend's divergence estimate: the staleness-weighted share of the question's reads
-    #: left on tokens not recomputed (preview selections; ``blend_max_divergence`` bounds it)
+    #: the blend's divergence estimate: the staleness-weighted share of the last prompt token's
+    #: attention left on tokens not recomputed (preview selections; ``blend_max_divergence``
+    #: bounds it)
     divergence: float | None = None
     #: always True here; the lines of requests left to vLLM carry False and a ``reason``
     blended: bool = True

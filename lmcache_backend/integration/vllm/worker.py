@@ -142,7 +142,7 @@ class WorkerSide:
         )
         self.stats = BlendStats(model.num_layers, settings.stats_file, settings.time_phases)
         segments = SegmentCache(self.store, model.fingerprint, settings.separator)
-        self.saver = SegmentSaver(segments, self.read_rows, self.block_size)
+        self.saver = SegmentSaver(segments, self.read_rows, self.block_size, model, ops)
         self.loads = Loads(
             blender,
             target,
