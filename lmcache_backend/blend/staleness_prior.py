@@ -130,25 +130,29 @@ def measure_probe(
     model: ModelAdapter,
     ops: Ops,
 ) -> int:
-    """One probe: the computed prompt ``tokens`` (its rows per segment from ``rows_of``) measured
-    against every stored segment it holds that was computed in another context; a segment's
-    entry gets its prior (:meth:`~lmcache_backend.storage.segments.SegmentStore.replace`) once
-    ``probes`` probes measured it. Nothing else is stored. Returns the entries given a prior."""
+    """One probe: the computed prompt ``tokens`` (its rows per segment from ``rows_of``) ends
+    with the chunk it probes, after a probe context: that last stored unit is measured against
+    its entry, unless computed in this very context or measured already; the entry gets its
+    prior (:meth:`~lmcache_backend.storage.segments.SegmentStore.replace`) once ``probes`` probes
+    measured it. The probe context's own chunks are not measured (they sit where the probes'
+    fixed contexts put them, every time), nothing is stored. Returns the entries given a prior
+    (0 or 1)."""
+    held = [segment for segment, present in cache.cached(tokens) if present]
+    if not held:
+        return 0
+    segment = held[-1]
+    key = cache.key(tokens, segment)
+    stored = cache.store.get(key)
+    if stored is None or stored.num_tokens != len(segment) or stored.staleness is not None:
+        return 0  # gone, not this segment, or measured already
+    if stored.start_position == segment.start and stored.context == context_digest(
+        tokens[: segment.start]
+    ):
+        return 0  # computed in this very context: nothing moved
+    keys, values = rows_of(segment)
+    deviation = probe_deviation(stored, keys, values, segment.start, model, ops)
+    mean = pending.add(key, deviation, probes)
     written = 0
-    for segment, held in cache.cached(tokens):
-        if not held:
-            continue
-        key = cache.key(tokens, segment)
-        stored = cache.store.get(key)
-        if stored is None or stored.num_tokens != len(segment) or stored.staleness is not None:
-            continue  # gone, not this segment, or measured already
-        if stored.start_position == segment.start and stored.context == context_digest(
-            tokens[: segment.start]
-        ):
-            continue  # computed in this very context: nothing moved
-        keys, values = rows_of(segment)
-        deviation = probe_deviation(stored, keys, values, segment.start, model, ops)
-        mean = pending.add(key, deviation, probes)
-        if mean is not None:
-            written += int(cache.store.replace(key, with_prior(stored, mean)))
+    if mean is not None:
+        written = int(cache.store.replace(key, with_prior(stored, mean)))
     return written
