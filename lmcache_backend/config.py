@@ -68,8 +68,12 @@ class BlendConfig:
     #: preview selections recompute more tokens, up to `blend_max_recompute_ratio`, until the
     #: recomputed ones hold this share of what the question reads of the reused text
     blend_min_read_share: float = setting_field(ENGINE["blend_min_read_share"])
-    #: the largest share of the reusable tokens that `blend_min_read_share` may recompute
+    #: the largest share of the reusable tokens that `blend_min_read_share` and
+    #: `blend_max_divergence` may recompute
     blend_max_recompute_ratio: float = setting_field(ENGINE["blend_max_recompute_ratio"])
+    #: preview selections recompute more tokens, up to `blend_max_recompute_ratio`, until the
+    #: blend's divergence estimate is at most this
+    blend_max_divergence: float = setting_field(ENGINE["blend_max_divergence"])
     #: preview selections divide a token's score by 1 + d * position / prompt length
     blend_position_discount: float = setting_field(ENGINE["blend_position_discount"])
     #: preview selections recompute aligned spans of this many consecutive tokens
@@ -132,13 +136,15 @@ class BlendConfig:
                 ratios,
                 f"give one ratio or one per check layer ({len(layers)} check layers: {layers})",
             )
-        if self.blend_min_read_share > 0 and self.blend_selection not in PREVIEW_SELECTION_CHOICES:
-            raise self._fail(
-                "blend_min_read_share",
-                self.blend_min_read_share,
-                f"needs a preview selection ({', '.join(PREVIEW_SELECTION_CHOICES)}), and "
-                f"blend_selection is {self.blend_selection!r}",
-            )
+        for knob in ("blend_min_read_share", "blend_max_divergence"):
+            value = getattr(self, knob)
+            if value > 0 and self.blend_selection not in PREVIEW_SELECTION_CHOICES:
+                raise self._fail(
+                    knob,
+                    value,
+                    f"needs a preview selection ({', '.join(PREVIEW_SELECTION_CHOICES)}), and "
+                    f"blend_selection is {self.blend_selection!r}",
+                )
         if not self.use_layerwise and self.enable_blending:
             logger.info("use_layerwise=False is ignored: CacheBlend always runs layer by layer")
 

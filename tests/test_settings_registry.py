@@ -153,11 +153,13 @@ def test_request_keys_are_blend_and_the_per_request_engine_keys() -> None:
     assert list(REQUEST) == [
         "blend",
         "lmcache.skip_save",
+        "lmcache.staleness_probes",
         "blend_recompute_ratios",
         "blend_check_layers",
         "blend_selection",
         "blend_min_read_share",
         "blend_max_recompute_ratio",
+        "blend_max_divergence",
     ]
 
 

@@ -15,7 +15,13 @@ from lmcache_backend.bench.devset import prompt_shape_for
 from lmcache_backend.bench.engine_choice import ENGINE_CHOICES, EngineUnavailable, create_engine
 from lmcache_backend.bench.engines import BenchEngine
 from lmcache_backend.bench.report import LEGEND, case_dicts, format_sweep, format_table, summarize
-from lmcache_backend.bench.runner import SweepPoint, run_examples, run_sweep, steps_per_case
+from lmcache_backend.bench.runner import (
+    WARM_MODES,
+    SweepPoint,
+    run_examples,
+    run_sweep,
+    steps_per_case,
+)
 from lmcache_backend.bench.strategies import Strategy, build_strategies, parse_ints, parse_schedule
 from lmcache_backend.blend.segmenting import PROMPT_SHAPES
 from lmcache_backend.config import SELECTION_CHOICES, BlendConfig, ConfigError
@@ -42,8 +48,37 @@ def _selections(text: str) -> list[str]:
     return parse_option("blend_selection", text, "list")
 
 
+def _warm(text: str) -> str:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in (*WARM_MODES, "auto")]
+    if bad or not modes or ("auto" in modes and len(modes) > 1) or len(set(modes)) < len(modes):
+        raise ValueError(
+            f"--warm {text!r}: give auto, or one or both of {', '.join(WARM_MODES)} "
+            "separated by a comma"
+        )
+    return ",".join(modes)
+
+
+def warm_modes(warm: str, dataset: str | None) -> list[str]:
+    """The store fillings ``--warm`` asks for, in order; ``auto``: chunks encoded alone
+    (``ingest``) for the MuSiQue sets (real RAG over a pre-encoded corpus, CacheBlend's own
+    setting), an earlier request (``request``) for the others."""
+    from lmcache_backend.bench.musique import is_musique
+
+    if warm == "auto":
+        return ["ingest"] if dataset and is_musique(str(dataset)) else ["request"]
+    return warm.split(",")
+
+
 def _schedule(text: str):
     return None if text.strip().lower() == "none" else parse_schedule(text)
+
+
+#: how each store filling is named above its table
+WARM_LABELS = {
+    "ingest": "ingest (each chunk computed alone after the system part)",
+    "request": "an earlier request (the chunks in order, another question)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +147,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "value, e.g. 0.6,0.8 (default: none)",
     )
     parser.add_argument(
+        "--max-divergences",
+        type=setting_type("blend_max_divergence", "list"),
+        default=[],
+        help="the divergence knob (blend_max_divergence) on top of each ratio, one strategy per "
+        "value, e.g. 0.05,0.1 (default: none)",
+    )
+    parser.add_argument(
         "--oracle-ratios",
         type=setting_type("blend_recompute_ratios"),
         default=[],
@@ -175,11 +217,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--warm",
-        choices=("request", "ingest"),
-        default="request",
-        help="how the store is filled before each example: request (an earlier request with "
-        "the chunks in order) or ingest (each chunk alone after the system part, as "
-        "lmcache-backend ingest encodes a corpus) (default: request)",
+        type=_arg(_warm),
+        default="auto",
+        help="how the store is filled before each example: ingest (each chunk computed alone "
+        "after the system part, as lmcache-backend ingest encodes a corpus), request (an "
+        "earlier request with the chunks in order), or both as ingest,request (each strategy "
+        "once per setting); auto: ingest for the MuSiQue sets, request for the others "
+        "(default: auto)",
+    )
+    parser.add_argument(
+        "--staleness-probes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with chunks encoded alone (ingest): compute each stored chunk after K probe "
+        "contexts (passages of other examples) and store its staleness prior, as "
+        "lmcache-backend ingest --staleness-probes does (default: 0, none)",
     )
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
@@ -211,6 +264,7 @@ def strategies_from_args(args: argparse.Namespace) -> list[Strategy]:
         selections=args.selections,
         read_shares=args.read_shares,
         oracle_ratios=args.oracle_ratios,
+        max_divergences=args.max_divergences,
     )
 
 
@@ -237,6 +291,8 @@ def _validate(args: argparse.Namespace, num_layers: int) -> None:
         raise SystemExit("bench: --repeats must be >= 0 (0: quality only)")
     if args.sweep_repeats < 1:
         raise SystemExit("bench: --sweep-repeats must be >= 1")
+    if args.staleness_probes < 0:
+        raise SystemExit("bench: --staleness-probes must be >= 0")
 
 
 def run(
@@ -283,26 +339,52 @@ def run(
     )
     if skipped:
         print(f"--engine {args.engine} cannot run: {', '.join(skipped)}", file=out)
-    total = len(examples) * steps_per_case(strategies, args.repeats)
+    modes = warm_modes(args.warm, args.dataset)
+    total = len(modes) * len(examples) * steps_per_case(strategies, args.repeats)
     total += len(points) * steps_per_case(strategies, args.sweep_repeats)
     started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    examples_out: list[dict[str, Any]] = []
     with tqdm(total=total, unit="prefill", disable=args.no_progress, file=sys.stderr) as bar:
-        cases = run_examples(
-            engine, strategies, examples, args.repeats, args.max_new_tokens, bar.update, args.warm
-        )
+        for mode in modes if examples else []:
+            probes = args.staleness_probes if mode == "ingest" else 0
+            cases = run_examples(
+                engine,
+                strategies,
+                examples,
+                args.repeats,
+                args.max_new_tokens,
+                bar.update,
+                mode,
+                probes,
+            )
+            mode_rows = summarize(cases, strategies)
+            for row in mode_rows:
+                row["warm"] = mode
+                if len(modes) > 1:
+                    row["strategy"] += f" [{mode}]"
+            warm_s = sum(c.warm_s for c in cases) / len(cases)
+            probed = f", {probes} staleness probes each" if probes else ""
+            print(
+                f"\nchunks stored by {WARM_LABELS[mode]}{probed}; the store filled in "
+                f"{warm_s:.1f} s per example:",
+                file=out,
+            )
+            print(format_table(mode_rows), file=out)
+            rows += mode_rows
+            examples_out += [dict(case, warm=mode) for case in case_dicts(cases)]
         swept = dict(
             zip(points, run_sweep(engine, strategies, points, args.sweep_repeats, bar.update))
         )
     setup.update(load_after=os.getloadavg(), wall_s=time.perf_counter() - started)
-    rows = summarize(cases, strategies) if cases else []
     if rows:
-        print(format_table(rows), file=out)
         print(LEGEND, file=out)
     result: dict[str, Any] = {
         "setup": setup,
         "args": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "warm": modes,
         "strategies": rows,
-        "examples": case_dicts(cases),
+        "examples": examples_out,
         "sweep": None,
     }
     if args.sweep:

@@ -32,6 +32,7 @@ class PrefillRun:
         state: what the engine needs to decode from this prefill.
         read_share: what the recomputed tokens hold of the question's reads (a preview
             selection's blend), else None.
+        divergence: the blend's divergence estimate (a preview selection's blend), else None.
     """
 
     logits: torch.Tensor
@@ -42,6 +43,7 @@ class PrefillRun:
     fallback_reason: str | None = None
     state: Any = None
     read_share: float | None = None
+    divergence: float | None = None
 
 
 @dataclass
@@ -76,6 +78,10 @@ class BenchEngine(Protocol):
 
     def warm(self, token_ids: Sequence[int]) -> None:
         """Full prefill of ``token_ids``; keep its segments (and its prefix) for reuse."""
+
+    def probe(self, token_ids: Sequence[int], probes: int) -> None:
+        """A staleness probe of ``token_ids``: measure the stored segments it holds, each
+        entry getting its prior after ``probes`` probes; store nothing."""
 
     def supports(self, strategy: Strategy) -> bool:
         """Whether this engine can run ``strategy``."""

@@ -42,6 +42,9 @@ class HFEngine:
         self.model_name = model_name or getattr(model.config, "_name_or_path", "")
         self.num_layers = self.core.adapter.num_layers
         self._prompts: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = []
+        #: the last prompt's full-prefill and naive-reuse K/V (the deviation oracle's inputs),
+        #: kept for the next oracle strategy on the same prompt
+        self._deviation_inputs: tuple[list[int], Any, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -79,6 +82,7 @@ class HFEngine:
     def reset(self) -> None:
         self.core.store.clear()
         self._prompts.clear()
+        self._deviation_inputs = None
 
     def warm(self, token_ids: Sequence[int]) -> None:
         tokens = list(token_ids)
@@ -86,6 +90,9 @@ class HFEngine:
         self.core.store_prompt(tokens, prefill)
         # What a prefix cache would hold after serving this prompt.
         self._prompts.append((tokens, prefill.keys, prefill.values))
+
+    def probe(self, token_ids: Sequence[int], probes: int) -> None:
+        self.core.probe(token_ids, probes)
 
     def _config(self, strategy: Strategy):
         """The request settings of ``strategy``."""
@@ -98,6 +105,11 @@ class HFEngine:
             blend_selection=strategy.selection or config.blend_selection,
             blend_min_read_share=(
                 config.blend_min_read_share if strategy.read_share is None else strategy.read_share
+            ),
+            blend_max_divergence=(
+                config.blend_max_divergence
+                if strategy.max_divergence is None
+                else strategy.max_divergence
             ),
         )
 
@@ -145,13 +157,17 @@ class HFEngine:
             fallback_reason=result.fallback_reason,
             state=prefill,
             read_share=result.read_share,
+            divergence=result.divergence,
         )
 
     def _oracle_mask(self, strategy: Strategy, tokens: list[int]) -> torch.Tensor:
-        """The deviation oracle's selection for ``tokens`` (see :func:`oracle_recompute_mask`)."""
-        full = self.core.full_prefill(tokens)
-        naive_config = self.core.config.replace(blend_recompute_ratios=[0.0])
-        naive = self.core.blender.blend(tokens, config=naive_config)
+        """The deviation oracle's selection for ``tokens`` (see :func:`oracle_recompute_mask`);
+        the full prefill and naive reuse it compares are computed once per prompt and store."""
+        if self._deviation_inputs is None or self._deviation_inputs[0] != tokens:
+            naive_config = self.core.config.replace(blend_recompute_ratios=[0.0])
+            naive = self.core.blender.blend(tokens, config=naive_config)
+            self._deviation_inputs = (tokens, self.core.full_prefill(tokens), naive)
+        _, full, naive = self._deviation_inputs
         count = int(strategy.ratios[0] * naive.num_reusable)
         return oracle_recompute_mask(
             (full.keys, full.values), (naive.keys, naive.values), naive.valid_mask, count

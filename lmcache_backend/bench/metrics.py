@@ -137,6 +137,46 @@ def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def standard_error(values: Sequence[float]) -> float | None:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); None for fewer than
+    two values."""
+    if len(values) < 2:
+        return None
+    m = sum(values) / len(values)
+    variance = sum((v - m) ** 2 for v in values) / (len(values) - 1)
+    return (variance / len(values)) ** 0.5
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    """Ranks from 0, ties given their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of two equally long sequences (ties at their mean rank);
+    None when either is constant or they hold fewer than two values."""
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} values against {len(b)}")
+    if len(a) < 2:
+        return None
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else None
+
+
 def recovered_fraction(value: float, worst: float, best: float) -> float | None:
     """How much of the gap from ``worst`` (naive reuse) to ``best`` (full prefill) ``value``
     closes: 0 = no better than naive reuse, 1 = as good as full prefill. None without a gap."""

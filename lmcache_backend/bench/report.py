@@ -7,7 +7,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from lmcache_backend.bench.metrics import mean, pairwise_ratios, recovered_fraction
+from lmcache_backend.bench.metrics import (
+    mean,
+    pairwise_ratios,
+    recovered_fraction,
+    spearman,
+    standard_error,
+)
 from lmcache_backend.bench.runner import CaseResult
 from lmcache_backend.bench.strategies import BLEND, Strategy
 
@@ -48,6 +54,8 @@ def summarize(cases: Sequence[CaseResult], strategies: Sequence[Strategy]) -> li
             ratios += pairwise_ratios(out.ttft_s, full)
             inverse += pairwise_ratios(full, out.ttft_s)
         row = _strategy_fields(strategy)
+        f1s = [o.fidelity_f1 for o in outs if o.fidelity_f1 is not None]
+        answer_kls = [o.answer_kl for o in outs if o.answer_kl is not None]
         row.update(
             ttft_ms=statistics.median(o.ttft_ms for o in outs),
             ttft_ratio=statistics.median(ratios),
@@ -60,14 +68,18 @@ def summarize(cases: Sequence[CaseResult], strategies: Sequence[Strategy]) -> li
             agreement=_rate([o.agrees for o in outs]),
             first_token_agreement=_rate([o.first_token_agrees for o in outs]),
             kl=mean([o.kl for o in outs]),
-            fidelity_f1=mean([o.fidelity_f1 for o in outs if o.fidelity_f1 is not None]),
+            fidelity_f1=mean(f1s),
+            fidelity_f1_se=standard_error(f1s),
             gold_f1=mean([o.gold_f1 for o in outs if o.gold_f1 is not None]),
-            answer_kl=mean([o.answer_kl for o in outs if o.answer_kl is not None]),
+            answer_kl=mean(answer_kls),
+            answer_kl_se=standard_error(answer_kls),
             answer_top1_agreement=mean(
                 [o.answer_top1_agreement for o in outs if o.answer_top1_agreement is not None]
             ),
             margin_median=_median([m for o in outs for m in o.margins or ()]),
             read_share=mean([o.read_share for o in outs if o.read_share is not None]),
+            divergence=mean([o.divergence for o in outs if o.divergence is not None]),
+            divergence_spearman=_divergence_spearman(outs),
             cache_bytes=mean([float(o.cache_bytes) for o in outs if o.cache_bytes is not None]),
             fallbacks=sum(o.fallback_reason is not None for o in outs),
         )
@@ -81,6 +93,15 @@ def summarize(cases: Sequence[CaseResult], strategies: Sequence[Strategy]) -> li
             else None
         )
     return rows
+
+
+def _divergence_spearman(outs: Sequence[Any]) -> float | None:
+    """Spearman's rank correlation over prompts of the divergence estimate with the answer KL
+    (how well the estimate ranks the prompts by their measured distance), or None."""
+    pairs = [(o.divergence, o.answer_kl) for o in outs if None not in (o.divergence, o.answer_kl)]
+    if len(pairs) < 3:
+        return None
+    return spearman([p[0] for p in pairs], [p[1] for p in pairs])
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -106,6 +127,13 @@ def _add_vs_naive(rows: list[dict[str, Any]]) -> None:
         row["kl_recovered"] = recovered_fraction(row["kl"], naive["kl"], full["kl"])
 
 
+def _with_se(value: float | None, se: float | None) -> str:
+    """``0.758±0.043`` (the value alone without a standard error, ``-`` without a value)."""
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if se is None else f"{value:.3f}±{se:.3f}"
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -118,8 +146,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The per-strategy table printed after a run."""
     header = (
         f"{'strategy':<40} {'TTFT ms':>8} {'vs full':>8} {'recomp':>7} {'tok-lay':>7} "
-        f"{'acc':>5} {'acc/full':>8} {'agree':>6} {'F1/full':>7} {'F1 gold':>7} {'KL':>7} "
-        f"{'ans KL':>7} {'top1':>5} {'margin':>6} {'read':>5} {'gap closed':>11} {'cache MiB':>9}"
+        f"{'acc':>5} {'acc/full':>8} {'agree':>6} {'F1/full ±se':>13} {'F1 gold':>7} {'KL':>7} "
+        f"{'ans KL ±se':>13} {'top1':>5} {'margin':>6} {'read':>5} {'div':>6} {'div ρ':>5} "
+        f"{'gap closed':>11} "
+        f"{'cache MiB':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -127,10 +157,12 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['strategy']:<40} {r['ttft_ms']:>8.0f} {r['ttft_ratio']:>7.2f}x "
             f"{_pct(r['recomputed_frac']):>7} {_pct(r['token_layers_frac']):>7} "
             f"{_pct(r['accuracy']):>5} {_pct(r['accuracy_vs_full']):>8} "
-            f"{_pct(r['agreement']):>6} {_num(r['fidelity_f1'], '.3f'):>7} "
-            f"{_num(r['gold_f1'], '.3f'):>7} {r['kl']:>7.3f} {_num(r['answer_kl'], '.3f'):>7} "
+            f"{_pct(r['agreement']):>6} {_with_se(r['fidelity_f1'], r['fidelity_f1_se']):>13} "
+            f"{_num(r['gold_f1'], '.3f'):>7} {r['kl']:>7.3f} "
+            f"{_with_se(r['answer_kl'], r['answer_kl_se']):>13} "
             f"{_pct(r['answer_top1_agreement']):>5} {_num(r['margin_median'], '.2f'):>6} "
-            f"{_pct(r['read_share']):>5} "
+            f"{_pct(r['read_share']):>5} {_num(r['divergence'], '.4f'):>6} "
+            f"{_num(r['divergence_spearman'], '.2f'):>5} "
             f"{_pct(r['accuracy_recovered']) + ' / ' + _pct(r['kl_recovered']):>11} "
             f"{_num(None if r['cache_bytes'] is None else r['cache_bytes'] / _MIB, '.1f'):>9}"
         )
@@ -144,16 +176,18 @@ LEGEND = (
     "TTFT ms: median over prompts of each prompt's median; vs full: median of per-round TTFT\n"
     "ratios to full prefill (lower is faster); recomp: prompt tokens computed in the last layer;\n"
     "tok-lay: token-layers computed; acc: a gold answer is in the greedy answer; acc/full:\n"
-    "acc as a share of full prefill's; agree: same\n"
-    "greedy answer as full prefill; F1/full: the CacheBlend paper's F1 of the answer against full\n"
-    "prefill's (fidelity); F1 gold: against the gold answers; KL: first-token KL(full ||\n"
-    "strategy), mean; ans KL: KL(full || strategy) per token of full prefill's answer (its first\n"
-    "line, teacher-forced), mean; top1: share of those forced tokens whose top choice is full\n"
+    "acc as a share of full prefill's; agree: same greedy answer as full prefill; F1/full: the\n"
+    "CacheBlend paper's F1 of the answer against full prefill's (fidelity); F1 gold: against the\n"
+    "gold answers; KL: first-token KL(full || strategy), mean; ans KL: KL(full || strategy) per\n"
+    "token of full prefill's answer (its first line, teacher-forced), mean; ±se: standard error\n"
+    "of the mean over prompts; top1: share of those forced tokens whose top choice is full\n"
     "prefill's; margin: full prefill's log-prob gap between its top two tokens, median over its\n"
     "answer's tokens (full prefill's row) or over the tokens where the strategy's top choice\n"
     "differs (the others; small = a near-tie); read: share of the question's reads of the reused\n"
-    "text held by the recomputed tokens (preview selections); gap closed: share of naive reuse's\n"
-    "loss won back, accuracy / KL; cache MiB: cached K/V the strategy draws on."
+    "text held by the recomputed tokens (preview selections); div: the blend's divergence\n"
+    "estimate, mean; div ρ: its Spearman rank correlation with ans KL over prompts; gap closed:\n"
+    "share of naive reuse's loss won back, accuracy / KL; cache MiB: cached K/V the strategy\n"
+    "draws on."
 )
 
 

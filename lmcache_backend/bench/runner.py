@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +64,8 @@ class StrategyOutcome:
     fallback_reason: str | None = None
     #: what the recomputed tokens held of the question's reads (preview selections)
     read_share: float | None = None
+    #: the blend's divergence estimate (preview selections)
+    divergence: float | None = None
 
     @property
     def ttft_ms(self) -> float:
@@ -78,6 +81,8 @@ class CaseResult:
     num_chunks: int
     answers: list[str]
     outcomes: list[StrategyOutcome]
+    #: seconds spent filling the store before the example was asked (staleness probes included)
+    warm_s: float = 0.0
 
     def outcome(self, name: str) -> StrategyOutcome:
         return next(o for o in self.outcomes if o.strategy == name)
@@ -113,6 +118,7 @@ def _untimed_pass(
             cache_bytes=engine.cache_bytes(strategy),
             fallback_reason=run.fallback_reason,
             read_share=run.read_share,
+            divergence=run.divergence,
         )
         if max_new_tokens > 0:
             answer = engine.decode(tokens, run, max_new_tokens)
@@ -188,11 +194,16 @@ def run_case(
     seed: int = 0,
     tick: Progress = lambda n: None,
     warm: str = "request",
+    probe_contexts: Sequence[Sequence[str]] = (),
 ) -> CaseResult:
     """Fill the caches from ``example`` (:data:`WARM_MODES`: its chunks in their original order,
     or each chunk alone), then answer it reordered with every strategy: one untimed pass
     (quality), then ``repeats`` timed rounds. ``repeats=0`` measures quality only; the TTFT
-    columns then come from the untimed pass (first runs, not a timing)."""
+    columns then come from the untimed pass (first runs, not a timing).
+
+    With ``probe_contexts`` (``ingest`` only), each chunk stored alone is then computed after
+    each probe context (other passages) as a staleness probe, and its entry gets the prior
+    (:meth:`BenchEngine.probe`), as ``lmcache-backend ingest --staleness-probes`` does."""
     _check_strategies(strategies)
     if repeats < 0:
         raise ValueError(f"repeats must be >= 0, got {repeats}")
@@ -200,11 +211,17 @@ def run_case(
         raise ValueError(f"warm {warm!r} is not one of {', '.join(WARM_MODES)}")
     pair = prompt_pair(engine.prompt_ids, example, seed)
     engine.reset()
+    started = time.perf_counter()
     if warm == "ingest":  # the prompt lmcache-backend ingest computes for each chunk
         for chunk in example.chunks:
             engine.warm(engine.prompt_ids(example.system, [chunk], WARM_QUESTION))
+        for chunk in example.chunks if probe_contexts else ():
+            for context in probe_contexts:
+                probe = engine.prompt_ids(example.system, [*context, chunk], WARM_QUESTION)
+                engine.probe(probe, len(probe_contexts))
     else:
         engine.warm(pair.warm_ids)
+    warm_s = time.perf_counter() - started
     outcomes = _untimed_pass(engine, strategies, pair, max_new_tokens, tick)
     if repeats:
         for outcome in outcomes:
@@ -216,7 +233,25 @@ def run_case(
         num_chunks=len(example.chunks),
         answers=list(example.answers),
         outcomes=outcomes,
+        warm_s=warm_s,
     )
+
+
+def probe_contexts(
+    examples: Sequence[RagExample], index: int, count: int, per_context: int = 2
+) -> list[list[str]]:
+    """``count`` probe contexts for example ``index``: ``per_context`` passages each, from the
+    examples after it in turn (none of its own passages), as an ingest samples other documents
+    of its corpus."""
+    own = set(examples[index].chunks)
+    contexts: list[list[str]] = []
+    for step in range(1, len(examples)):
+        if len(contexts) == count:
+            break
+        other = [c for c in examples[(index + step) % len(examples)].chunks if c not in own]
+        if len(other) >= per_context:
+            contexts.append(other[:per_context])
+    return contexts
 
 
 def steps_per_case(strategies: Sequence[Strategy], repeats: int) -> int:
@@ -232,10 +267,23 @@ def run_examples(
     max_new_tokens: int,
     tick: Progress = lambda n: None,
     warm: str = "request",
+    probes: int = 0,
 ) -> list[CaseResult]:
-    """:func:`run_case` for every example; example ``i`` is reordered with seed ``i``."""
+    """:func:`run_case` for every example; example ``i`` is reordered with seed ``i``; with
+    ``probes`` (``ingest`` only) each chunk gets a staleness prior from that many probe
+    contexts (:func:`probe_contexts`)."""
     return [
-        run_case(engine, strategies, ex, repeats, max_new_tokens, seed=i, tick=tick, warm=warm)
+        run_case(
+            engine,
+            strategies,
+            ex,
+            repeats,
+            max_new_tokens,
+            seed=i,
+            tick=tick,
+            warm=warm,
+            probe_contexts=probe_contexts(examples, i, probes) if probes else (),
+        )
         for i, ex in enumerate(examples)
     ]
 

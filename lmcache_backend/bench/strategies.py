@@ -33,6 +33,8 @@ class Strategy:
             engine's configured one.
         read_share: ``blend_min_read_share`` (the fidelity knob), for ``blend``; None: the
             engine's configured one.
+        max_divergence: ``blend_max_divergence`` (the divergence knob), for ``blend``; None:
+            the engine's configured one.
     """
 
     name: str
@@ -43,6 +45,7 @@ class Strategy:
     block_size: int = 1
     selection: str | None = None
     read_share: float | None = None
+    max_divergence: float | None = None
 
     @property
     def final_ratio(self) -> float | None:
@@ -93,9 +96,10 @@ def blend_strategy(
     check_layers: Sequence[int],
     selection: str | None = None,
     read_share: float | None = None,
+    max_divergence: float | None = None,
 ) -> Strategy:
-    """CacheBlend with a schedule (and a selector and a read-share target, when given); ratio 0
-    everywhere is naive full reuse."""
+    """CacheBlend with a schedule (and a selector, a read-share target and a divergence bound,
+    when given); ratio 0 everywhere is naive full reuse."""
     ratios, layers = tuple(ratios), tuple(check_layers)
     if all(r == 0 for r in ratios):
         return Strategy("naive reuse", BLEND, ratios=(0.0,), check_layers=layers[:1])
@@ -109,8 +113,16 @@ def blend_strategy(
         name += f" {selection}"
     if read_share is not None:
         name += f" read>={read_share:g}"
+    if max_divergence is not None:
+        name += f" div<={max_divergence:g}"
     return Strategy(
-        name, BLEND, ratios=ratios, check_layers=layers, selection=selection, read_share=read_share
+        name,
+        BLEND,
+        ratios=ratios,
+        check_layers=layers,
+        selection=selection,
+        read_share=read_share,
+        max_divergence=max_divergence,
     )
 
 
@@ -125,10 +137,12 @@ def build_strategies(
     selections: Sequence[str | None] = (None,),
     read_shares: Sequence[float] = (),
     oracle_ratios: Sequence[float] = (),
+    max_divergences: Sequence[float] = (),
 ) -> list[Strategy]:
     """Full prefill first (every other strategy is compared with it), then prefix caching,
     naive reuse, one CacheBlend strategy per selector and ratio (the ratio applied at every check
-    layer) and per read-share target on top of each ratio, one per selector and explicit
+    layer), per read-share target and per divergence bound on top of each ratio, one per selector
+    and explicit
     schedule (gradual filtering), EPIC when ``epic_k`` > 0, and one deviation oracle per
     ``oracle_ratios`` entry. A selector of None is the engine's configured one."""
     out = [Strategy("full prefill", FULL)]
@@ -144,6 +158,10 @@ def build_strategies(
             if ratio > 0:
                 out.extend(
                     blend_strategy([ratio], check_layers, selection, share) for share in read_shares
+                )
+                out.extend(
+                    blend_strategy([ratio], check_layers, selection, max_divergence=bound)
+                    for bound in max_divergences
                 )
         for layers, schedule_ratios in schedules:
             out.append(blend_strategy(schedule_ratios, layers, selection))

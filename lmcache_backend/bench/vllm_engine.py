@@ -29,6 +29,11 @@ class VLLMEngine:
     empty prefix cache: a blend is deterministic, so each one blends exactly as the prefill did
     (reading the prefill's K/V from the prefix cache instead would recompute, in full, the cached
     chunks' tokens in the prompt's last partial block).
+
+    Each :meth:`reset` starts a new ``cache_salt`` that every later request carries: the
+    connector's segment store lives in the worker and cannot be emptied from here, and passages
+    recur across examples (MuSiQue's do), so without it a chunk stored by an earlier example,
+    in that example's context, would be reused instead of the one this example's warm-up stores.
     """
 
     name = "vllm"
@@ -62,6 +67,8 @@ class VLLMEngine:
             logits_processors=[FORCED_ANSWER],  # teacher-forced answers, for their KL
         )
         self._warm_ids: list[int] = []
+        self._resets = 0
+        self._salt = "bench-0"
 
     def describe(self) -> dict[str, Any]:
         import vllm
@@ -107,7 +114,13 @@ class VLLMEngine:
 
         # a full distribution needs no text: vLLM would decode each of its tokens
         return generate_one(
-            self.llm, token_ids, max_tokens, params, logprobs, detokenize=logprobs is None
+            self.llm,
+            token_ids,
+            max_tokens,
+            params,
+            logprobs,
+            detokenize=logprobs is None,
+            cache_salt=self._salt,
         )
 
     @staticmethod
@@ -121,18 +134,27 @@ class VLLMEngine:
                 params["blend_selection"] = strategy.selection
             if strategy.read_share is not None:
                 params["blend_min_read_share"] = strategy.read_share
+            if strategy.max_divergence is not None:
+                params["blend_max_divergence"] = strategy.max_divergence
             return params
         return {"blend": False}
 
     def reset(self) -> None:
-        # The connector's segment store lives in the worker; earlier prompts' chunks stay there
-        # but do not match other prompts' chunks.
+        # The connector's segment store lives in the worker: a new salt leaves every earlier
+        # entry out of reach (see the class docstring).
         self.llm.reset_prefix_cache()
         self._warm_ids = []
+        self._resets += 1
+        self._salt = f"bench-{self._resets}"
 
     def warm(self, token_ids: Sequence[int]) -> None:
         self._warm_ids = list(token_ids)
         self._generate(token_ids, {"blend": False}, 1)  # computes and stores every segment
+
+    def probe(self, token_ids: Sequence[int], probes: int) -> None:
+        from lmcache_backend.settings.vllm_keys import STALENESS_PROBES
+
+        self._generate(token_ids, {"blend": False, STALENESS_PROBES: probes}, 1)
 
     def _prepare(self, strategy: Strategy) -> None:
         """Empty vLLM's prefix cache (prefix caching: fill it with the warm-up prompt)."""
@@ -177,6 +199,7 @@ class VLLMEngine:
             run.reused_tokens = reusable
             run.fallback_reason = record["fallback_reason"]
             run.read_share = record.get("read_share")
+            run.divergence = record.get("divergence")
         elif strategy.kind == BLEND:
             run.fallback_reason = "the connector did not claim the prompt"
         return run
@@ -212,7 +235,7 @@ class VLLMEngine:
             detokenize=False,  # no text, for the answer or for each entry of the distribution
             extra_args={"kv_transfer_params": self._params(strategy), FORCED_TOKENS: answer},
         )
-        prompt = {"prompt_token_ids": list(token_ids)}
+        prompt = {"prompt_token_ids": list(token_ids), "cache_salt": self._salt}
         out = self.llm.generate([prompt], sampling, use_tqdm=False)[0].outputs[0]
         if list(out.token_ids) != answer:
             raise RuntimeError(f"forced answer {answer} came out as {list(out.token_ids)}")

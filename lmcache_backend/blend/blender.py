@@ -226,6 +226,7 @@ class LMCBlender:
             token_layers=meta.token_layers,
             fallback_reason=meta.fallback_reason,
             read_share=meta.read_share,
+            divergence=meta.divergence,
         )
 
     def blend_passes(

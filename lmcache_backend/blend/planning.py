@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from lmcache_backend.blend.provenance import exact_run
 from lmcache_backend.blend.request import BlendMetadata, BlendRequest, LayerPrefix
 from lmcache_backend.blend.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
 from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
@@ -119,9 +120,11 @@ def plan_request(
 
 def _exact_prefix(task: SPTBlendRetrieverTask, cached_prefix: LayerPrefix | None) -> int:
     """Leading tokens whose cached K/V needs no recomputation: the engine's prefix-cache hit,
-    or a first segment stored at position 0 (nothing precedes it in either prompt)."""
+    or a first segment stored at position 0 (nothing precedes it in either prompt), and the
+    segments after it computed after exactly what precedes them now (their provenance, e.g.
+    the first chunk after the same system part)."""
     exact = cached_prefix[0][0].shape[0] if cached_prefix is not None and cached_prefix[0] else 0
     for start, kv in task.hits:
         if start == 0 and kv.start_position == 0:
             exact = max(exact, kv.num_tokens)
-    return exact
+    return exact_run(task.contexts, exact)

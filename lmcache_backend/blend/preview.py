@@ -22,6 +22,7 @@ from lmcache_backend.blend.read_share import count_for_read_share, read_share
 from lmcache_backend.blend.request import BlendMetadata
 from lmcache_backend.blend.selection import (
     QUERY_PREVIEW_LAST,
+    QUERY_PREVIEW_STALE,
     chunk_heads,
     first_scored_layer,
     heads_first,
@@ -29,6 +30,12 @@ from lmcache_backend.blend.selection import (
     query_and_last_scores,
     scored_layers,
     span_ranked,
+)
+from lmcache_backend.blend.staleness import (
+    attention_shares,
+    count_for_divergence,
+    divergence,
+    token_staleness,
 )
 from lmcache_backend.ops.reference import select_topk_with_invalid, selection_count
 
@@ -75,7 +82,7 @@ def preview_selection(
     mass = PreviewMass(
         meta.positions.numel(),
         valid.device,
-        config.blend_selection == QUERY_PREVIEW_LAST,
+        config.blend_selection in (QUERY_PREVIEW_LAST, QUERY_PREVIEW_STALE),
         scored_layers(
             compute.model.layer_windows(),
             meta.positions.numel(),
@@ -95,6 +102,11 @@ def preview_selection(
     if last is not None:
         scores = query_and_last_scores(scores, last, candidates)
     reads = scores.clone()  # what the question reads of each token, before the ranking adjusts it
+    # how stale each token's K/V may be, from what the store recorded (blend/staleness.py)
+    stale = token_staleness(meta, scores.device)
+    shares = attention_shares(compute.agreed(mass.last_reads))
+    if config.blend_selection == QUERY_PREVIEW_STALE:
+        scores = scores * stale
     if config.blend_position_discount > 0:
         discount = position_discount(
             meta.positions.to(scores.device), config.blend_position_discount
@@ -107,6 +119,13 @@ def preview_selection(
         count = count_for_read_share(
             reads, scores, candidates, config.blend_min_read_share, count, most
         )
+    if config.blend_max_divergence > 0:
+        most = selection_count(
+            config.blend_max_recompute_ratio, int(valid.sum()), meta.num_reusable
+        )
+        count = count_for_divergence(
+            shares, stale, scores, candidates, config.blend_max_divergence, count, most
+        )
     if config.blend_selection_span > 1:
         scores = span_ranked(scores, candidates, config.blend_selection_span)
     if config.blend_chunk_head_tokens > 0:
@@ -116,6 +135,7 @@ def preview_selection(
     scores[: meta.exact_prefix] = LAST_RESORT
     chosen[select_topk_with_invalid(scores, valid, count)] = True
     meta.read_share = read_share(reads, chosen, candidates)
+    meta.divergence = divergence(shares, stale, chosen)
     meta.cached_kv = preview.cached_kv
     # a streamed preview wrote every layer's cached rows into the target on its way
     meta.cached_in_target = meta.stream is not None

@@ -40,6 +40,9 @@ class PreviewMass:
         query: value-weighted attention mass from the query tokens (every row of the preview at
             or after ``query_start``).
         last: the same from the last prompt token alone (``query_preview_last``), or None.
+        last_reads: the last prompt token's attention probability on each key, summed over
+            heads and scored layers, not value-weighted: what the blend's divergence estimate
+            weighs (:mod:`lmcache_backend.blend.staleness`).
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class PreviewMass:
         self.scored = scored
         self.query = torch.zeros(num_tokens, dtype=torch.float32, device=device)
         self.last = torch.zeros_like(self.query) if with_last else None
+        self.last_reads = torch.zeros_like(self.query)
         self.hidden: torch.Tensor | None = None
         self._rows: TensorMemo[_PassRows] = TensorMemo(size=4)
 
@@ -80,6 +84,7 @@ class PreviewMass:
         if self.scored is not None and not self.scored[layer]:
             return attn
         norms = value_norms(values)  # the hidden keys' mass is 0: so is what they add
+        self.last_reads.add_(last)
         self.query.addcmul_(mass, norms)
         if self.last is not None:
             self.last.addcmul_(last, norms)

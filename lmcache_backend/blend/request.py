@@ -123,6 +123,9 @@ class BlendMetadata:
         read_share: the share of what the question reads of the reusable tokens (the preview's
             scores) that the recomputed ones hold; None without a preview
             (:mod:`lmcache_backend.blend.read_share`).
+        divergence: the blend's divergence estimate: the staleness-weighted share of the last
+            prompt token's attention left on tokens not recomputed; None without a preview
+            (:mod:`lmcache_backend.blend.staleness`).
     """
 
     positions: torch.Tensor
@@ -147,6 +150,7 @@ class BlendMetadata:
     stream: Any = None
     cached_in_target: bool = False
     read_share: float | None = None
+    divergence: float | None = None
 
     def drop_tail(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (indices into ``active``) without the tokens left to the engine."""
@@ -180,6 +184,8 @@ class BlendResult:
         fallback_reason: why blending fell back to a full prefill, or None if it blended.
         read_share: the share of the question's reads of the reusable tokens that the
             recomputed tokens hold (preview selections); None otherwise.
+        divergence: the blend's divergence estimate (preview selections,
+            :mod:`lmcache_backend.blend.staleness`); None otherwise.
     """
 
     logits: torch.Tensor | None
@@ -191,6 +197,7 @@ class BlendResult:
     token_layers: int
     fallback_reason: str | None
     read_share: float | None = None
+    divergence: float | None = None
 
     @property
     def blended(self) -> bool:

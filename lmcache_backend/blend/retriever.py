@@ -16,6 +16,7 @@ from lmcache_backend.blend.interfaces import (
     BlendRetrieverResult,
     BlendRetrieverTask,
 )
+from lmcache_backend.blend.provenance import HitContext, hit_contexts
 from lmcache_backend.blend.segment_cache import SegmentCache
 from lmcache_backend.blend.segmenting import Segment, SeparatorPattern
 from lmcache_backend.models.fingerprint import ModelFingerprint
@@ -27,6 +28,8 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
 
     Attributes:
         hits: ``(global start, segment KV)`` of each cached segment.
+        contexts: each hit's provenance against its place in the prompt, in the order of
+            ``hits`` (:class:`~lmcache_backend.blend.provenance.HitContext`).
         num_tokens: ``T``.
         valid_mask: ``[T]`` bool (CPU).
         original_positions: ``[T]`` int64 (on ``device``).
@@ -38,8 +41,10 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
         num_tokens: int,
         device: torch.device,
         dtype: torch.dtype,
+        contexts: list[HitContext] | None = None,
     ) -> None:
         self.hits = hits
+        self.contexts = contexts if contexts is not None else []
         self.num_tokens = num_tokens
         self.device = device
         self.dtype = dtype
@@ -141,11 +146,20 @@ class SPTBlendRetriever(BlendRetriever):
         )
         bounds = [0, len(tokens)] if query_start_loc is None else [int(b) for b in query_start_loc]
         hits: list[tuple[int, SegmentKV]] = []
+        contexts: list[HitContext] = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            for segment, kv in cache.lookup(tokens[lo:hi]):
-                if kv is not None:
-                    hits.append((lo + segment.start, kv))
-        return SPTBlendRetrieverTask(hits, len(tokens), self.device, self.dtype)
+            part = tokens[lo:hi]
+            found = [(segment.start, kv) for segment, kv in cache.lookup(part) if kv is not None]
+            if found:
+                units = cache.cacheable_segments(part)
+                contexts += hit_contexts(part, found, units, cache.keys(part, units))
+            hits += [(lo + start, kv) for start, kv in found]
+        # a context's start is within its part of the prompt: make it global
+        contexts = [
+            HitContext(start, ctx.length, ctx.exact, ctx.distance)
+            for (start, _), ctx in zip(hits, contexts)
+        ]
+        return SPTBlendRetrieverTask(hits, len(tokens), self.device, self.dtype, contexts)
 
     def segments(self, tokens: Sequence[int]) -> list[Segment]:
         return self.segment_cache.segments(tokens)

@@ -24,7 +24,14 @@ import torch
 from lmcache_backend.blend.patterns import SegmentPattern, as_pattern
 from lmcache_backend.blend.segmenting import Segment
 from lmcache_backend.models.fingerprint import ModelFingerprint
-from lmcache_backend.storage.segments import SegmentKV, SegmentStore, segment_key, segment_keys
+from lmcache_backend.storage.segments import (
+    SegmentKV,
+    SegmentStore,
+    context_digest,
+    segment_key,
+    segment_keys,
+    unit_tag,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +154,10 @@ class SegmentCache:
         values: Sequence[torch.Tensor],
     ) -> int:
         """Store one segment from its own rows: per layer ``[len(segment), Hkv, D]`` K and V
-        (keys rotated at positions ``segment.start ..``). Returns 1 if a new entry was written,
-        0 if it was already held, too large, or the query tail."""
+        (keys rotated at positions ``segment.start ..``), computed after ``tokens`` before it,
+        which the entry records as its provenance (:mod:`lmcache_backend.blend.provenance`).
+        Returns 1 if a new entry was written, 0 if it was already held, too large, or the query
+        tail."""
         if segment.end > self.query_start(tokens) or len(segment) == 0:
             return 0
         key = self.key(tokens, segment)
@@ -158,5 +167,13 @@ class SegmentCache:
             keys=torch.stack(list(keys)),
             values=torch.stack(list(values)),
             start_position=segment.start,
+            context=context_digest(tokens[: segment.start]),
+            preceding=self.preceding_tags(tokens, segment),
         )
         return int(self.store.put(key, kv))
+
+    def preceding_tags(self, tokens: Sequence[int], segment: Segment) -> tuple[str, ...]:
+        """The tags of the units of ``tokens`` a computed prompt stores that end before
+        ``segment`` starts, in order (a stored segment's ``preceding``)."""
+        before = [u for u in self.cacheable_segments(tokens) if u.end <= segment.start]
+        return tuple(unit_tag(key) for key in self.keys(tokens, before))

@@ -31,7 +31,13 @@ names the selector:
     token), each divided by its total over the tokens that can be chosen: the last token's
     reads count as much as all the query tokens' together.
 
-Both preview selections divide each token's score by ``1 + d * (p + 1) / P`` (``p`` its position,
+``query_preview_stale``
+    ``query_preview_last``'s score times the token's staleness, as the store recorded it: 0 for
+    a segment computed after exactly what precedes it now, its context distance otherwise, times
+    the token's staleness prior where its entry holds one
+    (:mod:`lmcache_backend.blend.staleness`).
+
+The preview selections divide each token's score by ``1 + d * (p + 1) / P`` (``p`` its position,
 ``P`` the prompt's length, ``d`` = ``blend_position_discount``, default 10): a token at the end
 of the prompt needs 11 times the score of one at the start. Late tokens cost more to recompute
 (a query at position ``p`` reads ``p + 1`` keys), and on the dev set the discount also gave
@@ -70,6 +76,9 @@ QUERY_PREVIEW = "query_preview"
 
 #: ``query_preview`` with the last token's mass weighted up.
 QUERY_PREVIEW_LAST = "query_preview_last"
+
+#: ``query_preview_last``'s score times each token's staleness (blend/staleness.py).
+QUERY_PREVIEW_STALE = "query_preview_stale"
 
 #: The selections that run the preview pass.
 PREVIEW_SELECTIONS = frozenset(PREVIEW_SELECTION_CHOICES)

@@ -10,6 +10,13 @@ holding the chunk finds it under the same key, on any engine sharing the tiers.
 Resumable and idempotent: a chunk whose units all sit in every tier that outlives this command
 (Redis, the disk tier) is skipped, so a second run writes nothing and an interrupted one goes on
 where it stopped. Progress is a bar; the summary gives chunks, tokens and bytes written.
+
+``--staleness-probes K`` then computes every chunk after ``K`` probe contexts (a few other
+chunks of the corpus each, the same contexts for every chunk, so vLLM's prefix cache computes
+each once) as staleness probes (``lmcache.staleness_probes``): the connector measures how far
+the stored chunk's K/V move there and gives its entry that prior, which the staleness-aware
+selection reads (docs/quality.md). It costs ``K`` more prefills of each chunk's tokens and ``2 L``
+bytes a token in each tier.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ DEFAULT_SYSTEM = (
 
 #: ``keys -> present`` in every tier that outlives the command
 Persisted = Callable[[Sequence[str]], list[bool]]
+#: chunks of the corpus in each probe context
+PROBE_CONTEXT_CHUNKS = 2
 
 
 @dataclass
@@ -142,6 +151,51 @@ def run(
     return summary
 
 
+def probe_contexts(chunks: Sequence[Chunk], count: int, seed: int = 0) -> list[list[Chunk]]:
+    """``count + 1`` probe contexts of :data:`PROBE_CONTEXT_CHUNKS` chunks each, no chunk in two
+    of them, sampled from the corpus with ``seed``: a chunk is probed after the first ``count``
+    that do not hold it (a corpus too small for that many gives fewer)."""
+    import random
+
+    size = PROBE_CONTEXT_CHUNKS
+    picked = random.Random(seed).sample(list(chunks), min(len(chunks), size * (count + 1)))
+    return [picked[i : i + size] for i in range(0, len(picked) - size + 1, size)]
+
+
+def probe_prompts(
+    jobs: Sequence[ChunkJob],
+    contexts: Sequence[Sequence[Chunk]],
+    count: int,
+    prompt: ChunkPrompt,
+    tokenizer: Any,
+    separator: str,
+) -> list[list[int]]:
+    """Each job's chunk after each of the first ``count`` ``contexts`` not holding it, joined
+    by ``separator`` as a prompt of several chunks joins them."""
+    out = []
+    for job in jobs:
+        usable = [c for c in contexts if all(x.id != job.chunk.id for x in c)][:count]
+        for context in usable:
+            text = separator.join([*(c.text for c in context), job.chunk.text])
+            out.append(prompt.token_ids(tokenizer, text))
+    return out
+
+
+def run_probes(
+    prompts: Sequence[list[int]],
+    probe: Callable[[list[list[int]]], None],
+    batch: int = DEFAULT_BATCH,
+    progress: Callable[[int], None] = lambda n: None,
+) -> float:
+    """Send the probe ``prompts``, ``batch`` at a time; the seconds it took."""
+    started = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = list(prompts[i : i + batch])
+        probe(group)
+        progress(len(group))
+    return time.perf_counter() - started
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("corpus", help="JSONL of chunks, or a folder of .txt/.md files")
     parser.add_argument(
@@ -173,6 +227,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch", type=int, default=DEFAULT_BATCH, help=f"prompts per step ({DEFAULT_BATCH})"
     )
+    parser.add_argument(
+        "--staleness-probes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="then compute each chunk after K probe contexts (other chunks of the corpus) and "
+        "store how far its K/V move there, the prior the staleness-aware selection reads "
+        "(default: 0, none)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -197,12 +260,27 @@ def main(args: argparse.Namespace) -> int:
     if args.batch < 1:
         print("lmcache-backend ingest: --batch must be >= 1", file=sys.stderr)
         return 2
+    if args.staleness_probes < 0:
+        print("lmcache-backend ingest: --staleness-probes must be >= 0", file=sys.stderr)
+        return 2
     try:
         chunks = read_corpus(args.corpus)
         with ingest_engine.IngestEngine(args.model, args.dtype) as engine:
             prompt = chunk_prompt(args, engine.config.blend_special_str)
             jobs = plan(chunks, prompt, engine.tokenizer, engine.pattern, engine.keys_of)
-            engine.max_model_len = max(len(job.token_ids) for job in jobs) + 1
+            probes: list[list[int]] = []
+            if args.staleness_probes:
+                probes = probe_prompts(
+                    jobs,
+                    probe_contexts(chunks, args.staleness_probes),
+                    args.staleness_probes,
+                    prompt,
+                    engine.tokenizer,
+                    engine.config.blend_special_str,
+                )
+                engine.probes = args.staleness_probes
+            longest = max(len(ids) for ids in [job.token_ids for job in jobs] + probes)
+            engine.max_model_len = longest + 1
             print(f"{len(jobs)} chunks; tiers kept: {', '.join(engine.lasting)}", file=sys.stderr)
             from tqdm import tqdm
 
@@ -217,10 +295,22 @@ def main(args: argparse.Namespace) -> int:
                     args.batch,
                     bar.update,
                 )
+            probe_line = None
+            if probes and not summary.failed:
+                with tqdm(
+                    total=len(probes), unit="probe", disable=args.no_progress, file=sys.stderr
+                ) as bar:
+                    seconds = run_probes(probes, engine.probe, args.batch, bar.update)
+                probe_line = (
+                    f"staleness probes: {len(probes)} prompts in {seconds:.1f} s; each entry "
+                    f"holds {engine.prior_bytes_per_token()} bytes a token of prior"
+                )
     except (CorpusError, ConfigError, FileNotFoundError) as exc:
         print(f"lmcache-backend ingest: {exc}", file=sys.stderr)
         return 2
     print(summary.line())
+    if probe_line:
+        print(probe_line)
     if summary.failed:
         shown = ", ".join(summary.failed[:5]) + (" ..." if len(summary.failed) > 5 else "")
         print(f"not stored (see the warnings above; run again to retry): {shown}", file=sys.stderr)

@@ -109,14 +109,32 @@ class IngestEngine:
         per_token = 2 * fp.num_layers * fp.num_kv_heads * fp.head_dim * size
         return dict.fromkeys(self.lasting, per_token)
 
-    def prefill(self, prompts: list[list[int]]) -> None:
-        """Compute ``prompts`` (one token each, blending off): the connector stores their units."""
+    def prior_bytes_per_token(self) -> int:
+        """The bytes one token's staleness prior takes in an entry (fp16, one per layer)."""
+        return 2 * self.fingerprint.num_layers
+
+    def probe(self, prompts: list[list[int]], probes: int | None = None) -> None:
+        """Send ``prompts`` as staleness probes (``lmcache.staleness_probes``): nothing is
+        stored; the stored chunks they hold get their prior after ``probes`` probes (the
+        engine's ``probes``, set by the command, when None)."""
+        from lmcache_backend.settings.vllm_keys import STALENESS_PROBES
+
+        self.prefill(prompts, {"blend": False, STALENESS_PROBES: probes or self.probes})
+
+    #: the probes after which a probed chunk gets its prior (``--staleness-probes``)
+    probes = 1
+
+    def prefill(self, prompts: list[list[int]], params: dict | None = None) -> None:
+        """Compute ``prompts`` (one token each, blending off): the connector stores their units
+        (``params``: other ``kv_transfer_params``)."""
         from vllm import SamplingParams
 
         if self._llm is None:
             self._start()
         sampling = SamplingParams(
-            temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"blend": False}}
+            temperature=0,
+            max_tokens=1,
+            extra_args={"kv_transfer_params": params or {"blend": False}},
         )
         self._llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
 

@@ -14,7 +14,7 @@ SEGMENTATION_CHOICES = ("auto", "separator", "blocks")
 #: ``blend_preview_scored_layers`` values
 SCORED_LAYER_CHOICES = ("global", "all")
 #: the selections that run a preview pass (the read-share knob needs one)
-PREVIEW_SELECTION_CHOICES = ("query_preview", "query_preview_last")
+PREVIEW_SELECTION_CHOICES = ("query_preview", "query_preview_last", "query_preview_stale")
 #: token selectors (``lmcache_backend.blend.selection.SCORERS``, then the preview selections);
 #: kv_deviation is LMCache's
 SELECTION_CHOICES = (
@@ -124,8 +124,23 @@ ENGINE_KEYS: tuple[Setting, ...] = (
         "blend_max_recompute_ratio",
         p.number(0.0, 1.0),
         0.5,
-        "the largest share of the reusable tokens that `blend_min_read_share` may recompute",
-        details="the knob's cost cap; never below the ratio of `blend_recompute_ratios`",
+        "the largest share of the reusable tokens that `blend_min_read_share` and "
+        "`blend_max_divergence` may recompute",
+        details="the knobs' cost cap; never below the ratio of `blend_recompute_ratios`",
+        group="blend",
+        per_request=True,
+    ),
+    # The divergence knob: the blend's own estimate of how far it stays from full prefill
+    # (blend/staleness.py, docs/quality.md "The divergence knob").
+    _key(
+        "blend_max_divergence",
+        p.number(minimum=0.0),
+        0.0,
+        "preview selections recompute more tokens, up to `blend_max_recompute_ratio`, until "
+        "the blend's divergence estimate is at most this",
+        details="the estimate (the stats record's `divergence`) is the staleness-weighted share "
+        "of the last prompt token's attention left on tokens not recomputed; 0: off "
+        "([quality.md](docs/quality.md#the-divergence-knob-blend_max_divergence))",
         group="blend",
         per_request=True,
     ),

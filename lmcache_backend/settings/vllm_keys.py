@@ -32,7 +32,8 @@ CONNECTOR_KEYS: tuple[Setting, ...] = (
         details='Blended (`"blended": true`): tokens, claimed, reusable, recomputed, '
         "`recompute_fraction`, `token_layer_fraction`, `attention_fraction` (the last layer's "
         "query-key pairs as a share of a full prefill's), `read_share` (what the recomputed "
-        "tokens hold of the question's reads, preview selections). Left to vLLM "
+        "tokens hold of the question's reads, preview selections), `divergence` (the blend's "
+        "divergence estimate, preview selections). Left to vLLM "
         '(`"blended": false`): `reason` (`blending '
         "off`, `opted out`, `lora`, `no reusable span`, `below blend_min_tokens`, `would not "
         "pay`), `detail`, `num_reusable`, `predicted_cost_share`; the server's log says the "
@@ -115,6 +116,8 @@ CONNECTOR_KEYS: tuple[Setting, ...] = (
 
 #: LMCache's request key that keeps a request's K/V out of the store
 SKIP_SAVE = "lmcache.skip_save"
+#: the request key of a staleness probe (``lmcache-backend ingest --staleness-probes``)
+STALENESS_PROBES = "lmcache.staleness_probes"
 
 REQUEST_ONLY_KEYS: tuple[Setting, ...] = (
     Setting(
@@ -133,5 +136,16 @@ REQUEST_ONLY_KEYS: tuple[Setting, ...] = (
         False,
         "`true`: this request's K/V are not written to the store (it may still reuse what the "
         "store holds)",
+    ),
+    # A probe computes stored chunks after other passages and measures how far their K/V move:
+    # the prior the staleness-aware selection reads (blend/staleness_prior.py).
+    Setting(
+        STALENESS_PROBES,
+        Scope.REQUEST,
+        p.integer(minimum=0),
+        0,
+        "`K` > 0: this request is a staleness probe: nothing is stored; each stored segment it "
+        "holds that was computed in another context is measured, and its entry gets a "
+        "staleness prior after `K` probes (`lmcache-backend ingest --staleness-probes`)",
     ),
 )

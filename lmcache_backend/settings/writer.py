@@ -54,8 +54,12 @@ class Variables(TypedDict, total=False):
     #: preview selections recompute more tokens, up to `blend_max_recompute_ratio`, until the
     #: recomputed ones hold this share of what the question reads of the reused text
     blend_min_read_share: float
-    #: the largest share of the reusable tokens that `blend_min_read_share` may recompute
+    #: the largest share of the reusable tokens that `blend_min_read_share` and
+    #: `blend_max_divergence` may recompute
     blend_max_recompute_ratio: float
+    #: preview selections recompute more tokens, up to `blend_max_recompute_ratio`, until the
+    #: blend's divergence estimate is at most this
+    blend_max_divergence: float
     #: preview selections divide a token's score by 1 + d * position / prompt length
     blend_position_discount: float
     #: preview selections recompute aligned spans of this many consecutive tokens

@@ -89,7 +89,7 @@ class MemoryTier(Tier):
         if not self.copy_on_get:
             return kv
         # Entries are never modified after insertion, so cloning outside the lock is safe.
-        return SegmentKV(kv.keys.clone(), kv.values.clone(), kv.start_position)
+        return kv.with_tensors(kv.keys.clone(), kv.values.clone())
 
     def put(self, key: str, kv: SegmentKV) -> bool:
         if kv.nbytes > self.max_bytes:
@@ -113,7 +113,7 @@ class MemoryTier(Tier):
                 self.admission_skipped += 1
                 return False
         # Copy outside the lock: a device copy may take milliseconds.
-        owned = SegmentKV(self._own_copy(kv.keys), self._own_copy(kv.values), kv.start_position)
+        owned = kv.with_tensors(self._own_copy(kv.keys), self._own_copy(kv.values))
         evicted: list[str] = []
         with self._lock:
             if key in self._entries:  # another thread stored it while we copied

@@ -12,6 +12,7 @@ live beside it in :mod:`lmcache_backend.storage`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 from abc import ABC, abstractmethod
@@ -78,6 +79,23 @@ def segment_keys(
     return keys
 
 
+#: hex characters of a segment key kept in another entry's provenance (``preceding``)
+UNIT_TAG_CHARS = 16
+
+
+def context_digest(tokens: Sequence[int] | torch.Tensor) -> str:
+    """Hex ``sha256`` of the token ids before a segment (``tokens``: every id from position 0
+    to the segment's start): two computations of a segment after equal digests saw the same
+    context, so one's K/V are exactly the other's."""
+    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
+
+
+def unit_tag(key: str) -> str:
+    """The part of a segment key an entry's ``preceding`` keeps."""
+    return key[:UNIT_TAG_CHARS]
+
+
 @dataclass
 class SegmentKV:
     """Cached K/V of one segment.
@@ -87,17 +105,32 @@ class SegmentKV:
             ``start_position .. start_position + n - 1``.
         values: ``[L, n, Hkv, D]``.
         start_position: position of the segment's first token when it was computed.
+        context: :func:`context_digest` of the tokens before the segment when it was computed
+            (its provenance; None: unknown, an entry written before provenance was recorded).
+        preceding: :func:`unit_tag` of each stored unit before the segment in that prompt, in
+            order (empty: computed with nothing but unstored text before it; None: unknown).
+        staleness: ``[L, n]`` fp16 per-token, per-layer staleness prior: how far each token's
+            K/V moved when the segment was computed after other text (``lmcache-backend ingest
+            --staleness-probes``), or None.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     start_position: int
+    context: str | None = None
+    preceding: tuple[str, ...] | None = None
+    staleness: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape or self.keys.dim() != 4:
             raise ValueError(
                 f"SegmentKV: keys {tuple(self.keys.shape)} and values "
                 f"{tuple(self.values.shape)} must both be [layers, tokens, kv_heads, head_dim]"
+            )
+        if self.staleness is not None and tuple(self.staleness.shape) != tuple(self.keys.shape[:2]):
+            raise ValueError(
+                f"SegmentKV: staleness {tuple(self.staleness.shape)} must be [layers, tokens] "
+                f"{tuple(self.keys.shape[:2])}"
             )
 
     @property
@@ -106,7 +139,13 @@ class SegmentKV:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        extra = 0 if self.staleness is None else self.staleness.nbytes
+        return self.keys.nbytes + self.values.nbytes + extra
+
+    def with_tensors(self, keys: torch.Tensor, values: torch.Tensor) -> SegmentKV:
+        """This entry with other K/V tensors (a copy, another device), its provenance and
+        staleness prior kept."""
+        return dataclasses.replace(self, keys=keys, values=values)
 
 
 class SegmentStore(ABC):
@@ -124,6 +163,12 @@ class SegmentStore(ABC):
         """Store ``kv`` under ``key``; returns whether it was stored (an entry larger than the
         capacity is skipped). An existing entry is kept: the first computation of a segment wins,
         so concurrent stores of one segment cannot mix halves of two computations."""
+
+    def replace(self, key: str, kv: SegmentKV) -> bool:
+        """Store ``kv`` under ``key`` in place of the entry there: the same segment with more
+        to it (its staleness prior), never another computation of it. Returns whether it was
+        stored. The default: not supported (False)."""
+        return False
 
     @abstractmethod
     def contains(self, key: str) -> bool:

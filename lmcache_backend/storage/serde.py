@@ -1,17 +1,25 @@
 """Byte format of one stored segment (disk files and Redis values), with integrity checks.
 
 An entry is a safetensors blob: an 8-byte little-endian header length, a JSON header, then the raw
-tensor bytes of ``keys`` and then ``values`` (both ``[L, n, Hkv, D]``). The header's
-``__metadata__`` holds:
+tensor bytes of ``keys`` and then ``values`` (both ``[L, n, Hkv, D]``), and, in a
+:data:`FORMAT_V2` entry only, ``staleness`` (``[L, n]`` fp16, the segment's staleness prior). The
+header's ``__metadata__`` holds:
 
 ======================  =====================================================================
-``format``              :data:`FORMAT`
+``format``              :data:`FORMAT` (:data:`FORMAT_V2` with a staleness prior)
 ``key``                 the segment key the entry was stored under
 ``fingerprint``         hex digest of the model fingerprint (``""`` when the writer had none)
 ``start_position``      position of the segment's first token when it was computed
 ``dtype``, ``shape``    torch dtype name and ``[L, n, Hkv, D]``, repeated from the tensors
-``checksum``            ``blake2b-256`` of the tensor bytes (keys then values)
+``checksum``            ``blake2b-256`` of the tensor bytes (keys, values, then staleness)
+``context``             optional: digest of the tokens before the segment when it was computed
+``preceding``           optional: JSON list of the tags of the stored units before it then
 ======================  =====================================================================
+
+Provenance (``context``, ``preceding``) is optional metadata of a :data:`FORMAT` entry: entries
+written without it read as unknown provenance, and a reader that predates it ignores it. Only an
+entry with a staleness prior is written as :data:`FORMAT_V2` (an extra tensor, which a reader
+that predates it rejects as not its format, i.e. a miss).
 
 Decoding never unpickles anything: the header is parsed as JSON and checked (key, fingerprint,
 dtype, shapes, byte offsets, exact total size, expected model layout) before any tensor is built,
@@ -32,6 +40,10 @@ from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage.segments import SegmentKV
 
 FORMAT = "lmcache_backend.segment.v1"
+#: the format of an entry that carries a staleness prior (a third tensor)
+FORMAT_V2 = "lmcache_backend.segment.v2"
+#: dtype of a stored staleness prior
+STALENESS_DTYPE = torch.float16
 # A header holds two tensor entries and a few short strings; anything far larger is not ours.
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -145,11 +157,14 @@ def encode(
             raise ValueError(f"segment does not fit this model: {why}")
     keys = kv.keys.detach().to("cpu").contiguous()
     values = kv.values.detach().to("cpu").contiguous()
+    tensors = {"keys": keys, "values": values}
+    if kv.staleness is not None:
+        tensors["staleness"] = kv.staleness.detach().to("cpu", STALENESS_DTYPE).contiguous()
     digest = hashlib.blake2b(digest_size=32)
-    digest.update(_tensor_bytes(keys))
-    digest.update(_tensor_bytes(values))
+    for tensor in tensors.values():
+        digest.update(_tensor_bytes(tensor))
     metadata = {
-        "format": FORMAT,
+        "format": FORMAT if kv.staleness is None else FORMAT_V2,
         "key": key,
         "fingerprint": fingerprint,
         "start_position": str(int(kv.start_position)),
@@ -157,7 +172,11 @@ def encode(
         "shape": json.dumps(list(keys.shape)),
         "checksum": "blake2b-256:" + digest.hexdigest(),
     }
-    return st_save({"keys": keys, "values": values}, metadata)
+    if kv.context is not None:
+        metadata["context"] = kv.context
+    if kv.preceding is not None:
+        metadata["preceding"] = json.dumps(list(kv.preceding))
+    return st_save(tensors, metadata)
 
 
 def _corrupt(why: str) -> CorruptEntryError:
@@ -179,9 +198,11 @@ def _parse_header(data: bytes | memoryview) -> tuple[int, dict]:
     return 8 + header_len, header
 
 
-def _check_tensor_entry(
-    header: dict, name: str, dtype_code: str, shape: list[int], begin: int, nbytes: int
-) -> None:
+def _tensor_span(
+    header: dict, name: str, dtype_code: str, shape: list[int], nbytes: int
+) -> tuple[int, int]:
+    """``(begin, end)`` of tensor ``name`` in the data, checked against its expected dtype, shape
+    and size."""
     entry = header.get(name)
     if not isinstance(entry, dict):
         raise _corrupt(f"no tensor {name!r}")
@@ -190,8 +211,15 @@ def _check_tensor_entry(
             f"tensor {name!r} is {entry.get('dtype')} {entry.get('shape')}, "
             f"metadata says {dtype_code} {shape}"
         )
-    if entry.get("data_offsets") != [begin, begin + nbytes]:
-        raise _corrupt(f"tensor {name!r} has offsets {entry.get('data_offsets')}")
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or offsets[1] - offsets[0] != nbytes
+    ):
+        raise _corrupt(f"tensor {name!r} has offsets {offsets}")
+    return offsets[0], offsets[1]
 
 
 def decode(
@@ -218,9 +246,10 @@ def decode(
     """
     data_start, header = _parse_header(data)
     meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V2):
         raise _corrupt("not a segment entry (format tag missing)")
-    if set(header) != {"__metadata__", "keys", "values"}:
+    names = {"keys", "values"} | ({"staleness"} if meta["format"] == FORMAT_V2 else set())
+    if set(header) != {"__metadata__"} | names:
         raise _corrupt(f"unexpected tensors {sorted(set(header) - {'__metadata__'})}")
     if meta.get("key") != key:
         raise _corrupt(f"entry is for key {str(meta.get('key'))[:16]}..., not {key[:16]}...")
@@ -234,6 +263,8 @@ def decode(
         shape = json.loads(meta["shape"])
         start_position = int(meta["start_position"])
         checksum = str(meta["checksum"])
+        context = meta.get("context")
+        preceding = None if "preceding" not in meta else json.loads(meta["preceding"])
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt(f"bad metadata ({exc!r})") from None
     if (
@@ -244,6 +275,12 @@ def decode(
         raise _corrupt(f"bad shape {shape!r}")
     if start_position < 0:
         raise _corrupt(f"negative start_position {start_position}")
+    if context is not None and not isinstance(context, str):
+        raise _corrupt(f"bad context {context!r}")
+    if preceding is not None and (
+        not isinstance(preceding, list) or not all(isinstance(p, str) for p in preceding)
+    ):
+        raise _corrupt(f"bad preceding {str(preceding)[:40]!r}")
     if layout is not None:
         why = layout.mismatch(tuple(shape), dtype)
         if why is not None:
@@ -252,15 +289,38 @@ def decode(
         raise _corrupt(f"holds {shape[1]} tokens, the segment has {num_tokens}")
     nbytes = shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize
     code = _ST_DTYPES[dtype]
-    _check_tensor_entry(header, "keys", code, shape, 0, nbytes)
-    _check_tensor_entry(header, "values", code, shape, nbytes, nbytes)
-    if data_start + 2 * nbytes != len(data):
-        raise _corrupt(f"size is {len(data)} bytes, expected {data_start + 2 * nbytes}")
-    digest = hashlib.blake2b(memoryview(data)[data_start:], digest_size=32).hexdigest()
+    # the tensors in their checksum order (keys, values, then the prior); safetensors lays
+    # them out by dtype and name, so their places are read from the header and must tile
+    # the data exactly
+    spans = [_tensor_span(header, name, code, shape, nbytes) for name in ("keys", "values")]
+    if "staleness" in names:
+        prior_bytes = shape[0] * shape[1] * STALENESS_DTYPE.itemsize
+        spans.append(
+            _tensor_span(header, "staleness", _ST_DTYPES[STALENESS_DTYPE], shape[:2], prior_bytes)
+        )
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            raise _corrupt(f"tensor data at {begin} does not follow the previous one at {end}")
+        end = stop
+    if data_start + end != len(data):
+        raise _corrupt(f"size is {len(data)} bytes, expected {data_start + end}")
+    region = memoryview(data)[data_start:]
+    digest_of = hashlib.blake2b(digest_size=32)
+    for begin, stop in spans:
+        digest_of.update(region[begin:stop])
+    digest = digest_of.hexdigest()
     if checksum != "blake2b-256:" + digest:
         raise _corrupt("checksum mismatch")
     try:
         tensors = st_load(bytes(data))
     except Exception as exc:  # safetensors raises its own error type; any failure is corruption
         raise _corrupt(f"safetensors rejected the entry ({exc})") from None
-    return SegmentKV(tensors["keys"], tensors["values"], start_position)
+    return SegmentKV(
+        tensors["keys"],
+        tensors["values"],
+        start_position,
+        context=context,
+        preceding=None if preceding is None else tuple(preceding),
+        staleness=tensors.get("staleness"),
+    )

@@ -22,7 +22,7 @@ from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from lmcache_backend.storage.segments import SegmentStore
+from lmcache_backend.storage.segments import SegmentKV, SegmentStore
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,12 @@ class Tier(SegmentStore):
     @abstractmethod
     def remove(self, key: str) -> bool:
         """Drop ``key``; returns whether it was present."""
+
+    def replace(self, key: str, kv: SegmentKV) -> bool:
+        """The entry of ``key`` removed, then ``kv`` stored (another engine may read a miss in
+        between, never a mix of the two)."""
+        self.remove(key)
+        return self.put(key, kv)
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """``[contains(k) for k in keys]``; remote tiers answer in one round trip."""

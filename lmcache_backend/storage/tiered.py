@@ -104,6 +104,15 @@ class TieredStore(SegmentStore):
                 return kv
         return None
 
+    def replace(self, key: str, kv: SegmentKV) -> bool:
+        """``kv`` in place of ``key``'s entry in every tier (see :meth:`Tier.replace`)."""
+        for tier in self.tiers:
+            try:
+                tier.remove(key)
+            except Exception:  # a tier must never fail the request; log and go on
+                logger.exception("%s tier: remove failed", tier.name)
+        return self._store_in(self.tiers, key, kv)
+
     def _store_in(self, tiers: Sequence[Tier], key: str, kv: SegmentKV) -> bool:
         cpu_kv: SegmentKV | None = None
         stored = stored_locally = False
@@ -198,4 +207,4 @@ class TieredStore(SegmentStore):
 def _on_cpu(kv: SegmentKV) -> SegmentKV:
     if kv.keys.device.type == "cpu" and kv.values.device.type == "cpu":
         return kv
-    return SegmentKV(kv.keys.to("cpu"), kv.values.to("cpu"), kv.start_position)
+    return kv.with_tensors(kv.keys.to("cpu"), kv.values.to("cpu"))

@@ -201,3 +201,45 @@ def test_warm_ingest_stores_each_chunk_alone_after_the_system_part(dataset):
         result = run(args, out=io.StringIO(), engine=engine)
         assert engine.warmed == [engine.prompt_ids("S", c, WARM_QUESTION) for c in expected]
         assert result["args"]["warm"] == mode
+
+
+def test_warm_auto_stores_musique_chunks_alone_and_both_settings_give_two_row_sets(dataset):
+    """``--warm auto`` (the default) fills the store as ``ingest`` does for the MuSiQue sets
+    and from an earlier request for the others; ``ingest,request`` runs every strategy under
+    both fillings, its rows named by the setting."""
+    from lmcache_backend.bench.cli import warm_modes
+
+    assert warm_modes("auto", "musique@3") == ["ingest"]
+    assert warm_modes("auto", "musique-heldout") == ["ingest"]
+    assert warm_modes("auto", "dev") == ["request"]
+    assert warm_modes("auto", None) == ["request"]
+    assert warm_modes("request,ingest", "musique") == ["request", "ingest"]
+    engine = FakeEngine()
+    out = io.StringIO()
+    args = _parse("--dataset", str(dataset), "--repeats", "0", "--gradual", "none",
+                  "--limit", "2", "--ratios", "0.75", "--warm", "ingest,request",
+                  "--no-progress")  # fmt: skip
+    result = run(args, out=out, engine=engine)
+    assert result["warm"] == ["ingest", "request"]
+    names = [r["strategy"] for r in result["strategies"]]
+    assert names[:2] == ["full prefill [ingest]", "prefix caching [ingest]"]
+    assert names.count("naive reuse [request]") == 1 and len(names) == 8
+    assert [r["warm"] for r in result["strategies"]] == ["ingest"] * 4 + ["request"] * 4
+    assert [c["warm"] for c in result["examples"]] == ["ingest", "ingest", "request", "request"]
+    naive = result["strategies"][2]
+    assert naive["fidelity_f1_se"] == 0.0 and naive["answer_kl_se"] == 0.0  # the same on each
+    printed = out.getvalue()
+    assert "0.875±0.000" in printed
+    assert printed.index("chunks stored by ingest") < printed.index("chunks stored by an earlier")
+    for bad in ("ingest,ingest", "auto,request", "disk", ""):
+        with pytest.raises(SystemExit):
+            _parse("--dataset", str(dataset), "--warm", bad)
+
+
+def test_rows_carry_standard_errors_of_fidelity_and_answer_kl():
+    """``F1/full`` and ``ans KL`` come with their standard error over prompts."""
+    from lmcache_backend.bench.metrics import standard_error
+
+    assert standard_error([1.0]) is None and standard_error([]) is None
+    assert standard_error([0.0, 1.0]) == pytest.approx(0.5)
+    assert standard_error([0.2, 0.4, 0.9]) == pytest.approx(0.2081666, rel=1e-6)

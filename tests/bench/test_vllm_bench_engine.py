@@ -1,5 +1,6 @@
 """The benchmark's vLLM engine on the embedded model: each strategy's answer and teacher-forced
-answers (the forced-answer logits processor) computed over the K/V its prefill computed."""
+answers (the forced-answer logits processor) computed over the K/V its prefill computed, and a
+reset that leaves the segments stored before it out of reach."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def main():
             "other_rows": list(forced_other.shape),
             "blends": len(read_records(engine._stats)) - before,
         }
+    # a reset starts a new cache salt: the segments stored before are out of reach
+    engine.reset()
+    again = engine.prefill(blend, asked, timed=False)
+    out["after reset"] = {"reused": again.reused_tokens, "fallback": again.fallback_reason}
     print("RESULT " + json.dumps(out))
 
 
@@ -65,6 +70,8 @@ def test_answers_read_each_strategys_own_kv_and_force_exactly(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env = {**env, **BLEND_ENV, "LMCACHE_BLEND_MIN_TOKENS": "0"}
     result = run_result_script(script, [], env, timeout=900)
+    after_reset = result.pop("after reset")
+    assert after_reset["reused"] == 0 and after_reset["fallback"], after_reset
     for name, got in result.items():
         assert len(got["answer"]) >= 2, name
         # teacher-forced along its own greedy answer, each step's argmax is that answer's token

@@ -297,6 +297,12 @@ def test_position_discount_prefers_the_earlier_of_two_close_scores(llama, monkey
 
     monkeypatch.setattr(preview_mass, "attention_with_query_mass", fake)
     monkeypatch.setattr(preview_mass, "value_norms", lambda values: torch.ones(values.shape[0]))
+    # every reused token equally stale: the staleness-aware selection then ranks by reads alone
+    import lmcache_backend.blend.preview as preview
+
+    monkeypatch.setattr(
+        preview, "token_staleness", lambda meta, device: torch.ones(meta.positions.numel())
+    )
     tokens = rag_prompt(SYS, C3, C1, C2, Q2)
     chosen = {}
     for discount in (0.0, 10.0):

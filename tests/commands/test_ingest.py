@@ -20,7 +20,14 @@ from lmcache_backend.commands.corpus import (
     shaped_template,
     template_file,
 )
-from lmcache_backend.commands.ingest import DEFAULT_SYSTEM, plan, run
+from lmcache_backend.commands.ingest import (
+    DEFAULT_SYSTEM,
+    plan,
+    probe_contexts,
+    probe_prompts,
+    run,
+    run_probes,
+)
 from lmcache_backend.data.examples import builtin_examples
 from lmcache_backend.models.fingerprint import ModelFingerprint
 from lmcache_backend.storage.segments import segment_keys
@@ -116,6 +123,37 @@ def test_ingest_prompts_are_the_prompts_the_package_builds(tokenizer, shape) -> 
     for chunk in builtin_examples(count=1, chunks_per_example=4)[0].chunks:
         expected = shaped_prompt(tokenizer, shape, DEFAULT_SYSTEM, [chunk], INGEST_QUESTION, SEP)
         assert prompt.token_ids(tokenizer, chunk) == expected
+
+
+@pytest.mark.parametrize("shape", ["separator", "text"])
+def test_probe_prompts_put_each_chunk_after_contexts_that_do_not_hold_it(tokenizer, shape) -> None:
+    """``--staleness-probes K``: each chunk last, after K contexts of other corpus chunks, in
+    the prompt the package builds for those chunks in that order (so the connector finds each
+    of them as it stored it, and measures the last)."""
+    from lmcache_backend.commands.corpus import Chunk
+
+    texts = builtin_examples(count=1, chunks_per_example=7)[0].chunks
+    chunks = [Chunk(f"c{i}", t) for i, t in enumerate(texts)]
+    contexts = probe_contexts(chunks, 2, seed=3)
+    assert len(contexts) == 3 and all(len(c) == 2 for c in contexts)
+    assert len({c.id for context in contexts for c in context}) == 6, "no chunk in two"
+    assert len(probe_contexts(chunks[:5], 2)) == 2, "as many as a small corpus holds"
+    assert probe_contexts(chunks, 2, seed=3) == contexts, "the same sample every run"
+    prompt = shaped_template(shape, DEFAULT_SYSTEM, SEP)
+    jobs = plan(chunks, prompt, tokenizer, segment_pattern(tokenizer, SEP, 16, "auto"), _keys)
+    prompts = probe_prompts(jobs, contexts, 2, prompt, tokenizer, SEP)
+    assert len(prompts) == 2 * len(chunks)
+    for job, pair in zip(jobs, zip(prompts[::2], prompts[1::2])):
+        usable = [c for c in contexts if job.chunk not in c][:2]
+        for ids, context in zip(pair, usable):
+            texts_in_order = [c.text for c in context] + [job.chunk.text]
+            expected = shaped_prompt(
+                tokenizer, shape, DEFAULT_SYSTEM, texts_in_order, INGEST_QUESTION, SEP
+            )
+            assert ids == expected
+    sent = []
+    assert run_probes(prompts, sent.append, batch=4) >= 0
+    assert [len(group) for group in sent] == [4, 4, 4, 2] and sum(sent, []) == prompts
 
 
 @pytest.mark.parametrize(
@@ -234,3 +272,45 @@ def test_the_ingest_command_writes_a_corpus_into_a_cluster(tmp_path, tokenizer) 
         tier.close()
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_ingest_with_staleness_probes_stores_each_chunk_with_its_prior(tmp_path) -> None:
+    """``lmcache-backend ingest --staleness-probes 1`` with vLLM into a real Redis: the probes
+    store nothing new; every chunk's entry then carries a staleness prior (a v2 entry whose
+    prior has the layers x tokens of its K/V), the system part none."""
+    from redis_server import RedisServer
+    from vllm_scripts import BLEND_ENV
+
+    from lmcache_backend.storage import serde
+
+    examples = builtin_examples(count=1, chunks_per_example=7, seed=5)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"chunks": examples[0].chunks}) + "\n")
+    server = RedisServer()
+    server.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+        env.update(BLEND_ENV, LMCACHE_REMOTE_URL=server.url)
+        command = [sys.executable, "-m", "lmcache_backend", "ingest", str(corpus),
+                   "--no-progress", "--staleness-probes", "1"]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "ingested 7 of 7 chunks" in done.stdout and "staleness probes: 7 prompts" in (
+            done.stdout
+        ), done.stdout
+        client = server.client()
+        entries = [client.get(k) for k in client.keys("*")]
+        assert len(entries) == 8, "7 chunks and the system part: the probes stored nothing"
+        formats = []
+        for value in entries:
+            header = json.loads(value[8 : 8 + int.from_bytes(value[:8], "little")])
+            meta = header["__metadata__"]
+            formats.append(meta["format"])
+            if meta["format"] == serde.FORMAT_V2:
+                layers, tokens = json.loads(meta["shape"])[:2]
+                assert header["staleness"]["shape"] == [layers, tokens]
+                assert meta["context"] and json.loads(meta["preceding"])  # after the system
+        assert sorted(formats) == [serde.FORMAT] + [serde.FORMAT_V2] * 7
+    finally:
+        server.stop()

@@ -100,6 +100,67 @@ def test_codec_rejects_header_that_disagrees_with_tensors():
         serde.decode(forged, key, FP_HEX, None)
 
 
+def _with_provenance(kv: SegmentKV, prior: bool) -> SegmentKV:
+    layers, n = kv.keys.shape[:2]
+    g = torch.Generator().manual_seed(n)
+    return SegmentKV(
+        kv.keys,
+        kv.values,
+        kv.start_position,
+        context="ab" * 32,
+        preceding=("0123456789abcdef", "fedcba9876543210"),
+        staleness=torch.rand(layers, n, generator=g).half() if prior else None,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("prior", [False, True], ids=["provenance", "with prior"])
+def test_codec_keeps_provenance_and_staleness_prior(dtype, prior):
+    """A segment's provenance (the digest of what preceded it, the units before it) and its
+    staleness prior survive the codec; only an entry with a prior is written as v2, its prior
+    under the checksum like the K/V (safetensors lays fp16 out between fp16 keys and values)."""
+    key = key_of(11)
+    kv = _with_provenance(make_kv(key, n=5, dtype=dtype), prior)
+    data = serde.encode(key, kv, FP_HEX)
+    assert (serde.FORMAT_V2.encode() in data) == prior
+    layout = ExpectedLayout(2, 2, 8, dtype)
+    out = serde.decode(data, key, FP_HEX, layout)
+    assert same(out, kv)
+    assert out.context == kv.context and out.preceding == kv.preceding
+    if prior:
+        assert torch.equal(out.staleness, kv.staleness)
+        header_end = 8 + int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:header_end])
+        begin, end = header["staleness"]["data_offsets"]
+        with pytest.raises(CorruptEntryError, match="checksum"):
+            serde.decode(_flip(data, header_end + begin), key, FP_HEX, layout)
+        for cut in (header_end + end - 1, len(data) - 1):
+            with pytest.raises(CorruptEntryError):
+                serde.decode(data[:cut], key, FP_HEX, layout)
+    else:
+        assert out.staleness is None
+    with pytest.raises(ValueError, match="staleness"):
+        SegmentKV(kv.keys, kv.values, 0, staleness=torch.zeros(2, 4))
+
+
+def test_codec_reads_an_entry_written_before_provenance_as_unknown():
+    """Entries stored by earlier releases (no provenance metadata) stay readable: their
+    provenance is unknown (None), not empty."""
+    key = key_of(7)
+    data = (REPO_ROOT / "tests" / "fixtures" / "segment_entry_v1.safetensors").read_bytes()
+    out = serde.decode(data, key, FP_HEX, LAYOUT)
+    assert same(out, make_kv(key))
+    assert out.context is None and out.preceding is None and out.staleness is None
+
+    # and an entry without provenance is still written as then (the same header fields; their
+    # order in the JSON is not fixed)
+    def fields(entry: bytes) -> dict:
+        header = json.loads(entry[8 : 8 + int.from_bytes(entry[:8], "little")])
+        return {name: sorted(value) for name, value in header.items()}
+
+    assert fields(serde.encode(key, make_kv(key), FP_HEX)) == fields(data)
+
+
 # -- memory tier -----------------------------------------------------------------------------
 
 

@@ -140,6 +140,9 @@ class HFBlendEngine:
         self.blender = LMCBlender(
             self.store, None, self.config, self.adapter, self.separator, self.ops
         )
+        from lmcache_backend.blend.staleness_prior import ProbeAccumulator
+
+        self._probes = ProbeAccumulator()
         self.stop_ids = {
             t
             for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
@@ -190,6 +193,27 @@ class HFBlendEngine:
             cut = segments.segments(tokens)
             only = [seg for seg in cut if not bool(valid[seg.start : seg.end].any())]
         return segments.store_segments(tokens, prefill.keys, prefill.values, only)
+
+    @torch.no_grad()
+    def probe(self, token_ids: Sequence[int], probes: int, cache_salt: str | None = None) -> int:
+        """A staleness probe: full prefill of ``token_ids``, measured against every stored
+        segment it holds that was computed in another context; each entry gets its staleness
+        prior after ``probes`` probes (:mod:`lmcache_backend.blend.staleness_prior`). Nothing
+        is stored. Returns the entries given a prior."""
+        from lmcache_backend.blend.staleness_prior import measure_probe
+
+        tokens = list(token_ids)
+        prefill = self.full_prefill(tokens)
+
+        def rows_of(segment):
+            rows = slice(segment.start, segment.end)
+            return (
+                torch.stack([k[rows] for k in prefill.keys]),
+                torch.stack([v[rows] for v in prefill.values]),
+            )
+
+        cache = self.segment_cache.salted(cache_salt)
+        return measure_probe(cache, tokens, rows_of, probes, self._probes, self.adapter, self.ops)
 
     def warm(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Full prefill of ``token_ids`` and store every segment under ``cache_salt``; returns

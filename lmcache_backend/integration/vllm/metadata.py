@@ -41,12 +41,15 @@ class LoadSpec:
 @dataclass
 class SaveSpec:
     """Store the segments of a prompt whose K/V are all in the paged cache after this step,
-    under the request's ``cache_salt`` (``None``: unsalted)."""
+    under the request's ``cache_salt`` (``None``: unsalted); with ``probes`` > 0 (a staleness
+    probe) measure the stored segments it holds instead, each entry getting its prior after
+    ``probes`` probes."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     cache_salt: str | None = None
+    probes: int = 0
 
 
 @dataclass

@@ -107,6 +107,13 @@ METRICS: dict[str, tuple[str, str | None, str]] = {
         "Share of what a blended request's question reads of the reused text that the "
         "recomputed tokens hold (preview selections; blend_min_read_share targets it).",
     ),
+    "vllm:cacheblend_divergence": (
+        HISTOGRAM,
+        None,
+        "A blended request's divergence estimate: the staleness-weighted share of its last "
+        "prompt token's attention left on tokens not recomputed (preview selections; "
+        "blend_max_divergence bounds it).",
+    ),
     "vllm:cacheblend_store_hits": (COUNTER, "tier", "Segment loads served, by store tier."),
     "vllm:cacheblend_store_misses": (
         COUNTER,
@@ -179,6 +186,7 @@ HISTOGRAM_BUCKETS = {
     "vllm:cacheblend_blend_seconds": BLEND_SECONDS_BUCKETS,
     "vllm:cacheblend_recompute_share": SHARE_BUCKETS,
     "vllm:cacheblend_read_share": SHARE_BUCKETS,
+    "vllm:cacheblend_divergence": SHARE_BUCKETS,
 }
 
 _KINDS = {COUNTER: "counters", GAUGE: "gauges", HISTOGRAM: "observations"}

@@ -61,10 +61,12 @@ def generate_one(
     params: dict | None = None,
     logprobs: int | None = None,
     detokenize: bool = True,
+    cache_salt: str | None = None,
 ) -> Any:
     """One greedy request of ``token_ids`` with ``params`` as its ``kv_transfer_params``
     (None: the engine's settings); its ``RequestOutput``. ``detokenize=False``: no text (and no
-    text for each log-probability's token: vLLM decodes every one of a full distribution's)."""
+    text for each log-probability's token: vLLM decodes every one of a full distribution's).
+    ``cache_salt``: the request's key namespace (vLLM's tenant isolation), None: unsalted."""
     from vllm import SamplingParams
 
     sampling = SamplingParams(
@@ -74,7 +76,10 @@ def generate_one(
         detokenize=detokenize,
         extra_args={"kv_transfer_params": params} if params is not None else None,
     )
-    return llm.generate([{"prompt_token_ids": list(token_ids)}], sampling, use_tqdm=False)[0]
+    prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return llm.generate([prompt], sampling, use_tqdm=False)[0]
 
 
 def read_records(stats_file: str, left_to_vllm: bool = False) -> list[dict]:

@@ -77,6 +77,8 @@ class RequestState:
         salt: the request's ``cache_salt`` (its key namespace), None: unsalted.
         stored: its segments may be stored (False for a LoRA request: keys do not know
             adapters; and for one whose ``kv_transfer_params`` ask ``lmcache.skip_save``).
+        probes: the request is a staleness probe (``lmcache.staleness_probes``): its save
+            measures the stored segments it holds instead of storing; 0: not a probe.
         left_to_vllm: why the latest decision left the request to vLLM; None: it was claimed
             (or nothing was decided yet).
         claimed_tokens: the latest claim's size (0 when left to vLLM).
@@ -89,6 +91,7 @@ class RequestState:
 
     salt: str | None
     stored: bool = True
+    probes: int = 0
     left_to_vllm: str | None = None
     claimed_tokens: int = 0
     claim: Claim | None = None

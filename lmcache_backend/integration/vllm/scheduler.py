@@ -53,6 +53,7 @@ from lmcache_backend.integration.vllm.settings import (
     ConnectorSettings,
     request_config,
     skips_save,
+    staleness_probes,
 )
 from lmcache_backend.integration.vllm.stats import (
     append_json_line,
@@ -142,6 +143,7 @@ class SchedulerSide:
         params = getattr(request, "kv_transfer_params", None)
         if skips_save(params, rid):
             state.stored = False  # the client asked: nothing of this request enters the store
+        state.probes = staleness_probes(params, rid)
         config = request_config(self.settings.config, params, self.settings.num_layers, rid)
         if config is None:
             off = not self.settings.config.enable_blending
@@ -342,7 +344,9 @@ class SchedulerSide:
             # lmcache.skip_save), stop following
             if state.stored:
                 meta.saves.append(
-                    SaveSpec(rid, prompt.token_ids, list(prompt.block_ids), state.salt)
+                    SaveSpec(
+                        rid, prompt.token_ids, list(prompt.block_ids), state.salt, state.probes
+                    )
                 )
             state.prompt = None
 

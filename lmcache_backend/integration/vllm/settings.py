@@ -20,7 +20,7 @@ from lmcache_backend.blend.patterns import SegmentPattern, segment_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
 from lmcache_backend.logtext import shorten, shown
 from lmcache_backend.settings import CONNECTOR, ENGINE, REQUEST, parse_given, setting_field
-from lmcache_backend.settings.vllm_keys import SKIP_SAVE
+from lmcache_backend.settings.vllm_keys import SKIP_SAVE, STALENESS_PROBES
 from lmcache_backend.storage.index_dir import default_index_dir
 from lmcache_backend.storage.settings import store_settings
 
@@ -267,6 +267,19 @@ def skips_save(params: Any, request_id: str = "?") -> bool:
     key): its K/V are not written to the store. An invalid value is logged as a WARNING naming
     the request, and the request is stored as usual."""
     return isinstance(params, dict) and _request_flag(params, SKIP_SAVE, request_id)
+
+
+def staleness_probes(params: Any, request_id: str = "?") -> int:
+    """A request's ``"lmcache.staleness_probes"``: 0 (not a probe), or the probes after which a
+    measured segment gets its staleness prior. An invalid value is logged as a WARNING naming the
+    request, and the request is served as no probe."""
+    if not isinstance(params, dict) or STALENESS_PROBES not in params:
+        return 0
+    try:
+        return int(REQUEST[STALENESS_PROBES].value(params[STALENESS_PROBES], "kv_transfer_params"))
+    except ConfigError as exc:
+        logger.warning("request %s: ignoring %s", shorten(str(request_id)), exc)
+        return 0
 
 
 def _request_flag(params: dict, key: str, request_id: str) -> bool:

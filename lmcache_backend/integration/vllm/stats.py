@@ -94,6 +94,10 @@ class BlendRecord:
     #: the share of what the question reads of the reusable tokens that the recomputed ones
     #: hold (preview selections; ``blend_min_read_share`` targets it), else None
     read_share: float | None = None
+    #: the blend's divergence estimate: the staleness-weighted share of the last prompt token's
+    #: attention left on tokens not recomputed (preview selections; ``blend_max_divergence``
+    #: bounds it)
+    divergence: float | None = None
     #: always True here; the lines of requests left to vLLM carry False and a ``reason``
     blended: bool = True
 
@@ -168,6 +172,7 @@ class BlendStats:
             blend_wall_ms=timing.wall_s * 1000.0,
             salted=spec.cache_salt is not None,
             read_share=None if result.read_share is None else round(result.read_share, 4),
+            divergence=None if result.divergence is None else round(result.divergence, 5),
         )
         if self.time_phases:
             record.phases_ms = phases

@@ -147,7 +147,7 @@ class WorkerSide:
         )
         self.stats = BlendStats(model.num_layers, settings.stats_file, settings.time_phases)
         segments = SegmentCache(self.store, model.fingerprint, settings.separator)
-        self.saver = SegmentSaver(segments, self.read_rows, self.block_size)
+        self.saver = SegmentSaver(segments, self.read_rows, self.block_size, model, ops)
         self.loads = Loads(
             blender,
             target,
@@ -299,6 +299,8 @@ class WorkerSide:
             out.observe("vllm:cacheblend_recompute_share", record.recompute_fraction)
             if record.read_share is not None:
                 out.observe("vllm:cacheblend_read_share", record.read_share)
+            if record.divergence is not None:
+                out.observe("vllm:cacheblend_divergence", record.divergence)
         self._records_counted = len(records)
         store = self.store.stats() if hasattr(self.store, "stats") else {}
         last = self._store_counted

@@ -139,7 +139,9 @@ def test_the_worker_hands_over_new_blends_and_store_activity_once() -> None:
     side.store.get("cd" * 16)
 
     def record(fallback=None) -> BlendRecord:
-        return BlendRecord("r", 1000, 0, 900, 900, 180, 0.2, 0.3, fallback, 250.0, read_share=0.7)
+        return BlendRecord(
+            "r", 1000, 0, 900, 900, 180, 0.2, 0.3, fallback, 250.0, read_share=0.7, divergence=0.04
+        )
 
     side.stats.records += [record(), record("no cached segment")]
     out = side.take_metrics().data
@@ -159,6 +161,7 @@ def test_the_worker_hands_over_new_blends_and_store_activity_once() -> None:
         "vllm:cacheblend_blend_seconds": [0.25],
         "vllm:cacheblend_recompute_share": [0.2],
         "vllm:cacheblend_read_share": [0.7],
+        "vllm:cacheblend_divergence": [0.04],
     }
     assert side.take_metrics() is None, "nothing new"
     side.rank = 1

@@ -229,6 +229,7 @@ CONNECTOR_COUNTERS = (
     "vllm:cacheblend_prompt_tokens_total",
     "vllm:cacheblend_blend_seconds_count",
     "vllm:cacheblend_read_share_count",
+    "vllm:cacheblend_divergence_count",
     "vllm:cacheblend_store_hits_total",
     "vllm:cacheblend_store_stored_total",
 )
@@ -282,6 +283,9 @@ def test_metrics_count_opted_out_and_blended_requests(server, rag, warmed) -> No
     # the default selection previews the question: the request's read share is recorded
     assert delta["vllm:cacheblend_read_share_count"] == 1, delta
     assert 0.0 < record["read_share"] <= 1.0, record
+    # and its divergence estimate
+    assert delta["vllm:cacheblend_divergence_count"] == 1, delta
+    assert 0.0 <= record["divergence"] <= 1.0, record
     assert delta["vllm:cacheblend_store_hits_total"] >= 1, delta
     assert metric_total(server.metrics(), "vllm:cacheblend_store_bytes", tier="cpu") > 0
 
