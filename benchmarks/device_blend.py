@@ -2,7 +2,7 @@
 
 What a GPU user asks first -- how much faster is a blended 8k / 32k prompt, how much memory does
 it take, and does it agree with full prefill -- needs no engine: the connector's worker path
-(:class:`~lmcache_backend.integration.vllm.worker.WorkerSide`) takes the KV caches vLLM hands
+(:class:`~lmcache_backend.integration.vllm.worker_side.worker.WorkerSide`) takes the KV caches vLLM hands
 over and the model's per-layer primitives. This benchmark gives it exactly those:
 
 * **the model**: a Llama-3.1-8B-shaped ``transformers`` model (32 layers, hidden 4,096, 32/8
@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> dict:
 def stage_profile_of(timings: list[dict]) -> dict:
     """Fixed and per-token cost of the blend's phases (the host's time in each), of the whole
     blend and of full prefill, from the timed sizes' medians
-    (:mod:`lmcache_backend.bench.stage_profile`)."""
-    from lmcache_backend.bench.stage_profile import stage_profile
+    (:mod:`lmcache_backend.bench.profiling.stage_profile`)."""
+    from lmcache_backend.bench.profiling.stage_profile import stage_profile
 
     by_length = {}
     first = timings[0].get("host_load") if timings else None
@@ -164,7 +164,7 @@ def _one_form(
                 result["agreement"].append(entry)
                 print(json.dumps(entry), flush=True)
         for mode in args.host_load.split(",") if first and args.repeats > 0 else ():
-            # how the hits reach the GPU layer by layer (blend/layer_load.py)
+            # how the hits reach the GPU layer by layer (blend/layerwise/layer_load.py)
             bench.worker.loads.blender.host_load = mode
             entry = {
                 "form": bench.form.id,
@@ -247,7 +247,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--count",
         action="store_true",
         help="one more blend and full prefill per size under the launch counter: kernel "
-        "launches and host-device syncs (lmcache_backend/bench/launch_count.py)",
+        "launches and host-device syncs (lmcache_backend/bench/profiling/launch_count.py)",
     )
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)

@@ -158,7 +158,7 @@ def counted(bench: Bench, asked: list[int]) -> dict:
     """One blend (the default ratio) and one full prefill of ``asked`` under the launch counter
     (untimed: the counter slows the host), each with its kernel launches and host-device
     syncs; on CUDA also the syncs torch's sync debug mode reports during the blend."""
-    from lmcache_backend.bench.launch_count import LaunchCounter, cuda_syncs
+    from lmcache_backend.bench.profiling.launch_count import LaunchCounter, cuda_syncs
 
     with cuda_syncs() as seen, LaunchCounter() as blend:
         bench.blend(asked, None, "counted")

@@ -151,7 +151,7 @@ class Bench:
     def __init__(self, model: torch.nn.Module, form: Recorded, max_tokens: int, platform: str):
         from lmcache_backend.config import load_config
         from lmcache_backend.integration.vllm.settings import ConnectorSettings
-        from lmcache_backend.integration.vllm.worker import WorkerSide
+        from lmcache_backend.integration.vllm.worker_side.worker import WorkerSide
         from lmcache_backend.models.hf import HFModelAdapter
 
         self.model, self.form = model, form

@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from redis_deployments import RedisClusterNodes, SentinelSet  # noqa: E402
 
-from lmcache_backend.bench.dataset import WARM_QUESTION  # noqa: E402
+from lmcache_backend.bench.datasets.dataset import WARM_QUESTION  # noqa: E402
 from lmcache_backend.blend.segmenting import chat_messages  # noqa: E402
 from lmcache_backend.data.examples import load_examples, reordered  # noqa: E402
-from lmcache_backend.demos.server_process import ServerProcess, metric_total  # noqa: E402
+from lmcache_backend.integration.vllm.serving.process import ServerProcess, metric_total  # noqa: E402
 from lmcache_backend.settings.writer import (  # noqa: E402
     STARTED_KV_CACHE_GIB,
     Variables,

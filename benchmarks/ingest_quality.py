@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from lmcache_backend.bench.dataset import WARM_QUESTION, load_dataset
-from lmcache_backend.bench.metrics import answer_correct, answers_agree, kl_divergence
+from lmcache_backend.bench.datasets.dataset import WARM_QUESTION, load_dataset
+from lmcache_backend.bench.quality.metrics import answer_correct, answers_agree, kl_divergence
 from lmcache_backend.blend.segmenting import build_blend_prompt
 from lmcache_backend.data.embedded import resolve_model
 from lmcache_backend.data.examples import reordered

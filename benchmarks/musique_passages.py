@@ -29,7 +29,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
-from lmcache_backend.bench.musique import load_musique
+from lmcache_backend.bench.datasets.musique import load_musique
 
 RARE_AT_MOST = 2  # questions of the split whose ten passages hold the word
 _STOP = frozenset(

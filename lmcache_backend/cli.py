@@ -15,7 +15,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from lmcache_backend.integration.vllm import serve
+    from lmcache_backend.integration.vllm.serving import serve
 
     return serve.main(args, args.vllm_args)
 

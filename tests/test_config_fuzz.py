@@ -229,7 +229,7 @@ def test_random_connector_settings_load_or_name_the_key(own, extra) -> None:
         given = set(own) | renamed | {f"extra_config.{k}" for k in extra}
         _check_error(exc, given, _secrets(extra))
         return
-    from lmcache_backend.storage.index_dir import default_index_dir
+    from lmcache_backend.storage.lookup.index_dir import default_index_dir
 
     default_index_dir(settings.instance_id)  # what the store will name its folder with
 

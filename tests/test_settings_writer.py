@@ -153,11 +153,11 @@ NOT_SETTINGS = {
 #: ranges checked outside the registry that are no setting's, each with its reason
 OWN_RANGES = {
     # the MuSiQue data set's passage counts (2..10 per example), not a setting
-    ("lmcache_backend/bench/musique.py", "2 <= int(count) <= 10"),
+    ("lmcache_backend/bench/datasets/musique.py", "2 <= int(count) <= 10"),
     # vLLM's own option --gpu-memory-utilization, checked before vLLM starts
-    ("lmcache_backend/integration/vllm/serve_checks.py", "0 < share <= 1"),
+    ("lmcache_backend/integration/vllm/serving/checks.py", "0 < share <= 1"),
     # a TCP port in a Redis URL
-    ("lmcache_backend/storage/redis_url.py", "0 < number < 65536"),
+    ("lmcache_backend/storage/remote/url.py", "0 < number < 65536"),
     # the tensor ranks an Ascend kernel takes; the head sizes the CUDA kernels compile for
     ("backends/ascend/rows.py", "1 <= dst.dim() <= 8"),
     ("backends/cuda/attention.py", "16 <= d <= 256"),

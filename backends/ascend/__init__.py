@@ -17,6 +17,8 @@ One module per op family; each calls torch_npu's fused operators through
 
 from __future__ import annotations
 
+from lmcache_backend import device
+
 # the op modules register their ops when imported; none of them imports torch_npu
 from lmcache_backend.backends.ascend import (  # noqa: F401
     attention,
@@ -25,7 +27,7 @@ from lmcache_backend.backends.ascend import (  # noqa: F401
     rope,
     rows,
 )
-from lmcache_backend.ops import BackendUnavailable, device
+from lmcache_backend.ops import BackendUnavailable
 
 
 def load() -> None:

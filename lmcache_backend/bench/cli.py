@@ -10,19 +10,34 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmcache_backend.bench.dataset import DEFAULT_COUNT, load_dataset
-from lmcache_backend.bench.devset import prompt_shape_for
-from lmcache_backend.bench.engine_choice import ENGINE_CHOICES, EngineUnavailable, create_engine
-from lmcache_backend.bench.engines import BenchEngine
-from lmcache_backend.bench.report import LEGEND, case_dicts, format_sweep, format_table, summarize
-from lmcache_backend.bench.runner import (
+from lmcache_backend.bench.datasets.dataset import DEFAULT_COUNT, load_dataset
+from lmcache_backend.bench.datasets.devset import prompt_shape_for
+from lmcache_backend.bench.quality.engine_choice import (
+    ENGINE_CHOICES,
+    EngineUnavailable,
+    create_engine,
+)
+from lmcache_backend.bench.quality.engines import BenchEngine
+from lmcache_backend.bench.quality.report import (
+    LEGEND,
+    case_dicts,
+    format_sweep,
+    format_table,
+    summarize,
+)
+from lmcache_backend.bench.quality.runner import (
     WARM_MODES,
     SweepPoint,
     run_examples,
     run_sweep,
     steps_per_case,
 )
-from lmcache_backend.bench.strategies import Strategy, build_strategies, parse_ints, parse_schedule
+from lmcache_backend.bench.quality.strategies import (
+    Strategy,
+    build_strategies,
+    parse_ints,
+    parse_schedule,
+)
 from lmcache_backend.blend.segmenting import PROMPT_SHAPES
 from lmcache_backend.config import SELECTION_CHOICES, BlendConfig, ConfigError
 from lmcache_backend.data.examples import DatasetError
@@ -63,7 +78,7 @@ def warm_modes(warm: str, dataset: str | None) -> list[str]:
     """The store fillings ``--warm`` asks for, in order; ``auto``: chunks encoded alone
     (``ingest``) for the MuSiQue sets (real RAG over a pre-encoded corpus, CacheBlend's own
     setting), an earlier request (``request``) for the others."""
-    from lmcache_backend.bench.musique import is_musique
+    from lmcache_backend.bench.datasets.musique import is_musique
 
     if warm == "auto":
         return ["ingest"] if dataset and is_musique(str(dataset)) else ["request"]
@@ -241,11 +256,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         action="store_true",
         help="instead: where a blended request's time goes in vLLM, per prompt size, against "
-        "full prefill on the same engine (python -m lmcache_backend.bench.profile; takes "
+        "full prefill on the same engine (python -m lmcache_backend.bench.profiling.profile; takes "
         "--model, --prompt-shape, "
         "--repeats and --sweep-tokens)",
     )
-    from lmcache_backend.bench import clients, load
+    from lmcache_backend.bench.frameworks import clients
+    from lmcache_backend.bench.load_test import run as load
 
     clients.add_arguments(parser)
     load.add_arguments(parser)
@@ -404,7 +420,7 @@ def run(
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2, default=str)
     if args.plots:
-        from lmcache_backend.bench.plots import write_plots
+        from lmcache_backend.bench.quality.plots import write_plots
 
         for path in write_plots(result, args.plots):
             print(f"wrote {path}", file=out)
@@ -414,12 +430,12 @@ def run(
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``lmcache-backend bench``."""
     if getattr(args, "load", False):
-        from lmcache_backend.bench import load
+        from lmcache_backend.bench.load_test import run as load
 
         load.run(args)
         return 0
     if getattr(args, "client", None):
-        from lmcache_backend.bench import clients
+        from lmcache_backend.bench.frameworks import clients
 
         clients.run(args)
         return 0
@@ -431,7 +447,7 @@ def main(args: argparse.Namespace) -> int:
     threads = read_variable("OMP_NUM_THREADS") or os.cpu_count() or 1
     torch.set_num_threads(threads)
     if args.profile:
-        from lmcache_backend.bench import profile
+        from lmcache_backend.bench.profiling import profile
 
         argv = ["--repeats", str(args.repeats)]
         if args.sweep_tokens:

@@ -18,8 +18,8 @@ from lmcache_backend.blend.interfaces import (
     BlendRetrieverTask,
 )
 from lmcache_backend.blend.request import BlendMetadata, BlendRequest, BlendResult
-from lmcache_backend.blend.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
-from lmcache_backend.blend.segment_cache import SegmentCache
+from lmcache_backend.blend.segments.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
+from lmcache_backend.blend.segments.segment_cache import SegmentCache
 
 __all__ = [
     "BlendExecutor",

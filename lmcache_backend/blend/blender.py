@@ -5,12 +5,12 @@ One request, ``T`` tokens at positions ``0..T-1``:
 1. split the tokens on the separator and look the segments up (hits give per-layer K/V computed
    at other positions, ``valid_mask`` marks their rows): :mod:`~lmcache_backend.blend.planning`;
 2. choose the tokens to recompute: a preview of the query over the cached K/V
-   (:mod:`~lmcache_backend.blend.preview`, the default), or at check layers
-   (:mod:`~lmcache_backend.blend.layer_blend`: keep the ``ratio * num_reusable`` valid tokens
+   (:mod:`~lmcache_backend.blend.selectors.preview`, the default), or at check layers
+   (:mod:`~lmcache_backend.blend.layerwise.layer_blend`: keep the ``ratio * num_reusable`` valid tokens
    that score highest, plus every uncached token and the last token);
-3. layer by layer (:mod:`~lmcache_backend.blend.layers`), compute fresh q/k/v for the active
+3. layer by layer (:mod:`~lmcache_backend.blend.layerwise.layers`), compute fresh q/k/v for the active
    tokens; the blended K/V are the cached rows, keys re-rotated to the new positions
-   (:mod:`~lmcache_backend.blend.cached_kv`), with the active tokens' fresh rows scattered in;
+   (:mod:`~lmcache_backend.blend.layerwise.cached_kv`), with the active tokens' fresh rows scattered in;
    each active query at position ``p`` attends keys ``0..p`` of them (exact causal mask);
 4. o_proj and MLP run for the active tokens only; the last token's logits come out at the end.
 
@@ -34,22 +34,22 @@ from typing import Any
 
 import torch
 
-from lmcache_backend.blend.cached_kv import LayerStream
 from lmcache_backend.blend.compute import BlendCompute, ScoreReducer
 from lmcache_backend.blend.engine_side import KVTarget, as_target
-from lmcache_backend.blend.layer_blend import blend_layer_kv
-from lmcache_backend.blend.layer_load import STAGED
-from lmcache_backend.blend.layers import run_layers
+from lmcache_backend.blend.layerwise.cached_kv import LayerStream
+from lmcache_backend.blend.layerwise.layer_blend import blend_layer_kv
+from lmcache_backend.blend.layerwise.layer_load import STAGED
+from lmcache_backend.blend.layerwise.layers import run_layers
 from lmcache_backend.blend.planning import plan_request
-from lmcache_backend.blend.preview import preview_selection
 from lmcache_backend.blend.request import (  # noqa: F401 - REQUEST_FIELDS: public name
     REQUEST_FIELDS,
     BlendMetadata,
     BlendRequest,
     BlendResult,
 )
-from lmcache_backend.blend.retriever import SPTBlendRetriever
-from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
+from lmcache_backend.blend.segments.retriever import SPTBlendRetriever
+from lmcache_backend.blend.selectors.preview import preview_selection
+from lmcache_backend.blend.selectors.selection import PREVIEW_SELECTIONS
 from lmcache_backend.blend.timing import NO_TIMER
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.models.base import ModelAdapter
@@ -120,7 +120,7 @@ class LMCBlender:
         #: the phase timer of calls that bring none (:mod:`~lmcache_backend.blend.timing`)
         self.timer = NO_TIMER
         #: how a streamed request's hits in host memory reach the device, layer by layer:
-        #: ``staged`` or ``direct`` (:mod:`~lmcache_backend.blend.layer_load`; benchmarks compare)
+        #: ``staged`` or ``direct`` (:mod:`~lmcache_backend.blend.layerwise.layer_load`; benchmarks compare)
         self.host_load = STAGED
 
     @property
@@ -167,7 +167,7 @@ class LMCBlender:
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, BlendMetadata
     ]:
         """Blend one layer (LMCache's ``process_qkv``; see
-        :func:`~lmcache_backend.blend.layer_blend.blend_layer_kv`).
+        :func:`~lmcache_backend.blend.layerwise.layer_blend.blend_layer_kv`).
 
         Returns:
             ``(q, keys, values, residual, attn_output, attn_metadata)``: q/residual/attn_output

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from lmcache_backend.blend.blender import LMCBlender
-from lmcache_backend.blend.segment_cache import SegmentCache
 from lmcache_backend.blend.segmenting import build_blend_prompt
+from lmcache_backend.blend.segments.segment_cache import SegmentCache
 from lmcache_backend.data.examples import builtin_examples, reordered
 from lmcache_backend.ops import get_ops
 from lmcache_backend.storage.segments import SegmentKV, SegmentStore

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
+from lmcache_backend.blend.selectors.selection import PREVIEW_SELECTIONS
 from lmcache_backend.config import BlendConfig
 
 

@@ -8,10 +8,10 @@ import logging
 
 import torch
 
-from lmcache_backend.blend.provenance import exact_run
 from lmcache_backend.blend.request import BlendMetadata, BlendRequest, LayerPrefix
-from lmcache_backend.blend.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
-from lmcache_backend.blend.selection import PREVIEW_SELECTIONS
+from lmcache_backend.blend.segments.provenance import exact_run
+from lmcache_backend.blend.segments.retriever import SPTBlendRetriever, SPTBlendRetrieverTask
+from lmcache_backend.blend.selectors.selection import PREVIEW_SELECTIONS
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.models.base import ModelAdapter
 

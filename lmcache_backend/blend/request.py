@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lmcache_backend.blend.retriever import SPTBlendRetrieverTask
+from lmcache_backend.blend.segments.retriever import SPTBlendRetrieverTask
 from lmcache_backend.blend.timing import NO_TIMER
 from lmcache_backend.config import BlendConfig
 
@@ -117,15 +117,15 @@ class BlendMetadata:
             full prefill of tokens ``0..compute_end-1`` alone.
         timer: the request's phase timer (:mod:`lmcache_backend.blend.timing`).
         stream: with a target that ``streams_layers``, the cached K/V one layer at a time
-            (:class:`~lmcache_backend.blend.cached_kv.LayerStream`); else None.
+            (:class:`~lmcache_backend.blend.layerwise.cached_kv.LayerStream`); else None.
         cached_in_target: every layer's cached rows are already in the target (a streamed
             preview wrote them): the blend computes its rows without retrieving again.
         read_share: the share of what the question reads of the reusable tokens (the preview's
             scores) that the recomputed ones hold; None without a preview
-            (:mod:`lmcache_backend.blend.read_share`).
+            (:mod:`lmcache_backend.blend.selectors.read_share`).
         divergence: the blend's divergence estimate: the staleness-weighted share of the last
             prompt token's attention left on tokens not recomputed; None without a preview
-            (:mod:`lmcache_backend.blend.staleness`).
+            (:mod:`lmcache_backend.blend.selectors.staleness`).
     """
 
     positions: torch.Tensor
@@ -185,7 +185,7 @@ class BlendResult:
         read_share: the share of the question's reads of the reusable tokens that the
             recomputed tokens hold (preview selections); None otherwise.
         divergence: the blend's divergence estimate (preview selections,
-            :mod:`lmcache_backend.blend.staleness`); None otherwise.
+            :mod:`lmcache_backend.blend.selectors.staleness`); None otherwise.
     """
 
     logits: torch.Tensor | None

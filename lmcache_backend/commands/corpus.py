@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_backend.bench.dataset import WARM_QUESTION
+from lmcache_backend.bench.datasets.dataset import WARM_QUESTION
 from lmcache_backend.blend.segmenting import PROMPT_SHAPES, STOCK_RAG_SYSTEM
 from lmcache_backend.data.jsonl import read_jsonl
 from lmcache_backend.logtext import shorten

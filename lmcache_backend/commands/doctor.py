@@ -32,8 +32,8 @@ def _versions_section() -> tuple[str, list[tuple[str, str]]]:
 
 def _backend_section() -> tuple[str, list[tuple[str, str]]]:
     from lmcache_backend.config import load_config
+    from lmcache_backend.device import detect_platform
     from lmcache_backend.ops import BackendUnavailable, get_ops
-    from lmcache_backend.ops.device import detect_platform
 
     config = load_config()
     try:

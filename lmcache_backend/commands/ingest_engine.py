@@ -30,7 +30,7 @@ class IngestEngine:
     def __init__(self, model: str | None, dtype: str = "auto") -> None:
         from transformers import AutoTokenizer
 
-        from lmcache_backend.blend.patterns import segment_pattern
+        from lmcache_backend.blend.segments.patterns import segment_pattern
         from lmcache_backend.data.embedded import resolve_model
         from lmcache_backend.storage.factory import create_shared_tier, disk_folder
 

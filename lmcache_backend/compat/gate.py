@@ -77,7 +77,7 @@ def _refuse(message: str, untested: bool = False) -> Decision:
 
 
 def _platform_name(platform: str) -> str:
-    from lmcache_backend.ops.device import PLATFORM_NAMES
+    from lmcache_backend.device import PLATFORM_NAMES
 
     return PLATFORM_NAMES.get(platform, platform)
 
@@ -175,7 +175,7 @@ def decide(
     """Whether CacheBlend runs with these versions on ``platform``, and how (see the module
     docstring). ``probe`` checks a code path against the installed source; without one an
     unrecorded release matches no code path."""
-    from lmcache_backend.ops.device import unsupported_platform_reason
+    from lmcache_backend.device import unsupported_platform_reason
 
     if versions.vllm is None:
         return _refuse(
@@ -248,7 +248,7 @@ def installed_probe(profile: VllmProfile) -> list[str]:
 @functools.lru_cache(maxsize=2)
 def installed_decision(allow_untested: bool = False) -> Decision:
     """:func:`decide` for the installed packages on the engine's platform (once per setting)."""
-    from lmcache_backend.ops.device import engine_platform
+    from lmcache_backend.device import engine_platform
 
     return decide(detect_versions(), engine_platform(), allow_untested, installed_probe)
 

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_backend.demos.server_process import ServerExited, ServerProcess
 from lmcache_backend.errors import USAGE_EXIT, UsageError
+from lmcache_backend.integration.vllm.serving.process import ServerExited, ServerProcess
 from lmcache_backend.settings.writer import Variables
 
 #: The separator between documents (``blend_special_str``'s default).

@@ -93,7 +93,7 @@ def device_info(device: str) -> dict[str, str | None]:
         if torch.version.hip:
             return {"unavailable": "this torch is a ROCm build", "name": None}
         return {"unavailable": None, "name": torch.cuda.get_device_name(0)}
-    from lmcache_backend.ops.device import npu_unavailable_reason
+    from lmcache_backend.device import npu_unavailable_reason
 
     reason = npu_unavailable_reason()
     if reason is not None:

@@ -18,7 +18,7 @@ GEMMA3_LAYER_KINDS = ("full_attention", "sliding_attention")
 
 def cpu_rotary_op() -> Any:
     """vLLM's ``_custom_ops`` when it has the CPU rotary op, else None."""
-    from lmcache_backend.ops.device import engine_platform
+    from lmcache_backend.device import engine_platform
 
     try:
         from vllm import _custom_ops

@@ -26,8 +26,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
+from lmcache_backend.device import detect_platform
 from lmcache_backend.ops import reference
-from lmcache_backend.ops.device import detect_platform
 from lmcache_backend.settings import BACKEND_CHOICES
 from lmcache_backend.settings.sources import configured
 

@@ -138,7 +138,7 @@ REQUEST_ONLY_KEYS: tuple[Setting, ...] = (
         "store holds)",
     ),
     # A probe computes stored chunks after other passages and measures how far their K/V move:
-    # the prior the staleness-aware selection reads (blend/staleness_prior.py).
+    # the prior the staleness-aware selection reads (blend/segments/staleness_prior.py).
     Setting(
         STALENESS_PROBES,
         Scope.REQUEST,

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmcache_backend.storage.disk import DiskTier
-from lmcache_backend.storage.index import FileSegmentIndex, SegmentIndex, SegmentLookup
-from lmcache_backend.storage.index_dir import IndexDirError, default_index_dir
+from lmcache_backend.storage.lookup.index import FileSegmentIndex, SegmentIndex, SegmentLookup
+from lmcache_backend.storage.lookup.index_dir import IndexDirError, default_index_dir
 from lmcache_backend.storage.memory import MemoryTier
 from lmcache_backend.storage.serde import (
     CorruptEntryError,
@@ -23,7 +23,7 @@ from lmcache_backend.storage.tiered import TieredStore
 
 if TYPE_CHECKING:
     from lmcache_backend.storage.factory import create_lookup, create_store
-    from lmcache_backend.storage.redis_tier import RedisTier
+    from lmcache_backend.storage.remote.tier import RedisTier
 
 __all__ = [
     "CorruptEntryError",
@@ -48,7 +48,7 @@ def __getattr__(name: str):
     # redis is imported only when a Redis tier is built, so a CPU-only install without the
     # package can still use the local tiers.
     if name == "RedisTier":
-        from lmcache_backend.storage.redis_tier import RedisTier
+        from lmcache_backend.storage.remote.tier import RedisTier
 
         return RedisTier
     if name in ("create_store", "create_lookup"):

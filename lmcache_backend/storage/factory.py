@@ -2,7 +2,7 @@
 
 LMCache keys used: ``local_cpu``, ``max_local_cpu_size`` (GB), ``local_disk`` (folder, optionally
 ``file://``-prefixed), ``max_local_disk_size`` (GB), ``remote_url`` (one Redis server, a Redis
-Cluster or Sentinel: :mod:`lmcache_backend.storage.redis_url`). Settings without an LMCache name
+Cluster or Sentinel: :mod:`lmcache_backend.storage.remote.url`). Settings without an LMCache name
 are read from ``extra_config`` (see :data:`~lmcache_backend.storage.settings.EXTRA_DEFAULTS`),
 checked by :func:`~lmcache_backend.storage.settings.store_settings`.
 """
@@ -17,11 +17,11 @@ import torch
 
 from lmcache_backend.config import BlendConfig
 from lmcache_backend.models.fingerprint import ModelFingerprint
-from lmcache_backend.storage.auth import EntryAuth
 from lmcache_backend.storage.disk import DiskTier
-from lmcache_backend.storage.index import FileSegmentIndex, SegmentIndex, SegmentLookup
-from lmcache_backend.storage.index_dir import default_index_dir
+from lmcache_backend.storage.lookup.index import FileSegmentIndex, SegmentIndex, SegmentLookup
+from lmcache_backend.storage.lookup.index_dir import default_index_dir
 from lmcache_backend.storage.memory import MemoryTier
+from lmcache_backend.storage.remote.auth import EntryAuth
 from lmcache_backend.storage.serde import ExpectedLayout, fingerprint_hex
 from lmcache_backend.storage.settings import (
     EXTRA_DEFAULTS,  # noqa: F401 - its old home
@@ -64,7 +64,7 @@ def _remote(
 ) -> Tier | None:
     if settings.remote is None:
         return None
-    from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier
+    from lmcache_backend.storage.remote.tier import DEFAULT_PREFIX, RedisTier
 
     return RedisTier(
         settings.remote,
@@ -109,7 +109,7 @@ def create_store(
 
     Raises:
         ConfigError: an ``extra_config`` setting is invalid, or the index folder cannot be
-            used safely (:class:`~lmcache_backend.storage.index_dir.IndexDirError`).
+            used safely (:class:`~lmcache_backend.storage.lookup.index_dir.IndexDirError`).
     """
     settings = store_settings(config)
     if shard and not re.match(r"^[A-Za-z0-9_.-]+$", shard):
@@ -128,7 +128,7 @@ def create_store(
         tiers.append(MemoryTier(device, int(device_gb * GB), "device", copy_on_get, **policies))
     if config.local_cpu:
         # page-locked on a CUDA host: the blend's copies of each layer to the GPU run
-        # asynchronously, overlapping the previous layer's compute (blend/cached_kv.py)
+        # asynchronously, overlapping the previous layer's compute (blend/layerwise/cached_kv.py)
         pinned = device is not None and torch.device(device).type == "cuda"
         capacity = int(config.max_local_cpu_size * GB)
         tiers.append(MemoryTier("cpu", capacity, "cpu", copy_on_get, pin_memory=pinned, **policies))

@@ -22,7 +22,7 @@ from lmcache_backend.settings import STORE, parse_given, setting_field, with_def
 from lmcache_backend.settings.environment import FORCE_LMCACHE_EXTRA_KEY
 from lmcache_backend.settings.registry import closest
 from lmcache_backend.settings.store_keys import MIN_SECRET_BYTES
-from lmcache_backend.storage.redis_url import RedisTarget, parse_remote_url
+from lmcache_backend.storage.remote.url import RedisTarget, parse_remote_url
 
 logger = logging.getLogger(__name__)
 

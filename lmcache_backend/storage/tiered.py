@@ -6,11 +6,11 @@
   value a tier refuses (it fails verification) is removed there, and the genuine value found in
   a slower tier, or computed and stored next, takes its place. After a hit in a local tier the
   shared tiers' copies are checked in the background
-  (:class:`~lmcache_backend.storage.shared_copy.SharedCopyCheck`).
+  (:class:`~lmcache_backend.storage.remote.shared_copy.SharedCopyCheck`).
 * Each tier evicts within its own capacity, by its policy (memory tiers: LRU or S3-FIFO, and
   optionally second-sight admission; disk: LRU), see :mod:`lmcache_backend.storage.policy`.
-* A :class:`~lmcache_backend.storage.index.SegmentIndex` (optional) mirrors which keys the local
-  tiers hold, for a scheduler in another process (see :mod:`lmcache_backend.storage.index`).
+* A :class:`~lmcache_backend.storage.lookup.index.SegmentIndex` (optional) mirrors which keys the local
+  tiers hold, for a scheduler in another process (see :mod:`lmcache_backend.storage.lookup.index`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from lmcache_backend.storage.index import SegmentIndex
+from lmcache_backend.storage.lookup.index import SegmentIndex
+from lmcache_backend.storage.remote.shared_copy import SharedCopyCheck
 from lmcache_backend.storage.segments import SegmentKV, SegmentStore
-from lmcache_backend.storage.shared_copy import SharedCopyCheck
 from lmcache_backend.storage.tier import Tier
 
 logger = logging.getLogger(__name__)

@@ -9,25 +9,30 @@ import math
 import pytest
 import torch
 
-from lmcache_backend.bench import engine_choice
 from lmcache_backend.bench.cli import add_arguments, strategies_from_args, sweep_points
-from lmcache_backend.bench.dataset import WARM_QUESTION, load_dataset, prompt_pair, sweep_example
-from lmcache_backend.bench.engine_choice import EngineUnavailable, create_engine
-from lmcache_backend.bench.engines import (
+from lmcache_backend.bench.datasets.dataset import (
+    WARM_QUESTION,
+    load_dataset,
+    prompt_pair,
+    sweep_example,
+)
+from lmcache_backend.bench.quality import engine_choice
+from lmcache_backend.bench.quality.engine_choice import EngineUnavailable, create_engine
+from lmcache_backend.bench.quality.engines import (
     common_prefix_length,
     epic_recompute_mask,
     reusable_prefix,
 )
-from lmcache_backend.bench.metrics import (
+from lmcache_backend.bench.quality.metrics import (
     answer_correct,
     answers_agree,
     kl_divergence,
     median_ratio,
     recovered_fraction,
 )
-from lmcache_backend.bench.report import format_table, summarize
-from lmcache_backend.bench.runner import CaseResult, StrategyOutcome, SweepPoint
-from lmcache_backend.bench.strategies import build_strategies, parse_schedule
+from lmcache_backend.bench.quality.report import format_table, summarize
+from lmcache_backend.bench.quality.runner import CaseResult, StrategyOutcome, SweepPoint
+from lmcache_backend.bench.quality.strategies import build_strategies, parse_schedule
 from lmcache_backend.blend.segmenting import Segment
 from lmcache_backend.data.examples import DatasetError, RagExample
 
@@ -264,10 +269,10 @@ def test_summarize_pools_pairs_and_compares_with_naive():
 
 
 def test_profile_lists_the_costliest_operators_of_a_request(capsys) -> None:
-    """``bench.profile --ops``: one request under the profiler, its operators by self time."""
+    """``bench.profiling.profile --ops``: one request under the profiler, its operators by self time."""
     import torch
 
-    from lmcache_backend.bench.profile import _operators, _print
+    from lmcache_backend.bench.profiling.profile import _operators, _print
 
     a = torch.randn(256, 256)
     ops = _operators(lambda: [torch.mm(a, a) for _ in range(3)], 2)

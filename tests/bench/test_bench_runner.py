@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lmcache_backend.bench.cli import add_arguments, run
-from lmcache_backend.bench.engines import Answer, PrefillRun
-from lmcache_backend.bench.strategies import BLEND, EPIC, FULL, PREFIX
+from lmcache_backend.bench.quality.engines import Answer, PrefillRun
+from lmcache_backend.bench.quality.strategies import BLEND, EPIC, FULL, PREFIX
 
 VOCAB = 8
 
@@ -189,7 +189,7 @@ def test_repeats_zero_measures_quality_only(dataset):
 
 def test_warm_ingest_stores_each_chunk_alone_after_the_system_part(dataset):
     """``--warm ingest``: one prompt per chunk, the one ``lmcache-backend ingest`` computes."""
-    from lmcache_backend.bench.dataset import WARM_QUESTION
+    from lmcache_backend.bench.datasets.dataset import WARM_QUESTION
 
     for mode, expected in (
         ("request", [["aaaa", "bbbbbb", "cc"]]),
@@ -238,7 +238,7 @@ def test_warm_auto_stores_musique_chunks_alone_and_both_settings_give_two_row_se
 
 def test_rows_carry_standard_errors_of_fidelity_and_answer_kl():
     """``F1/full`` and ``ans KL`` come with their standard error over prompts."""
-    from lmcache_backend.bench.metrics import standard_error
+    from lmcache_backend.bench.quality.metrics import standard_error
 
     assert standard_error([1.0]) is None and standard_error([]) is None
     assert standard_error([0.0, 1.0]) == pytest.approx(0.5)

@@ -16,12 +16,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from lmcache_backend.bench.client_common import (
+from lmcache_backend.bench.frameworks.clients import CLIENTS, make_shape
+from lmcache_backend.bench.frameworks.common import (
     FULL_PREFILL_NOTE,
     FULL_PREFILL_PARAMS,
     full_prefill_body,
 )
-from lmcache_backend.bench.clients import CLIENTS, make_shape
 
 FRAMEWORK_MODULES = {
     "langchain": ("langchain_core", "langchain_openai", "langchain_classic"),

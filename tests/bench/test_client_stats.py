@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from lmcache_backend.bench import clients
-from lmcache_backend.bench.client_common import Answer, StatsFile, reuse_of
+from lmcache_backend.bench.frameworks import clients
+from lmcache_backend.bench.frameworks.common import Answer, StatsFile, reuse_of
 
 
 def test_a_line_without_blended_is_a_blend() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_backend.bench.dataset import load_dataset
-from lmcache_backend.bench.devset import (
+from lmcache_backend.bench.datasets.dataset import load_dataset
+from lmcache_backend.bench.datasets.devset import (
     DEVSET_PATH,
     calibrate,
     candidates,
@@ -49,7 +49,7 @@ def test_each_embedded_model_has_its_own_devset_and_prompt_shape(tmp_path) -> No
     assert load_dataset("dev", model="gemma3-270m") != load_dataset("dev")
     assert (prompt_shape_for(None), prompt_shape_for("gemma3-270m")) == ("separator", "text")
     assert prompt_shape_for(str(tmp_path)) == "separator"  # a model folder of the user's
-    with pytest.raises(DatasetError, match=r"--model .*bench.devset --model"):
+    with pytest.raises(DatasetError, match=r"--model .*bench.datasets.devset --model"):
         load_dataset("dev", model=str(tmp_path))
 
 
@@ -72,7 +72,7 @@ def test_calibrate_keeps_examples_answered_from_gold_only() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_first_shipped_examples_calibrate_on_the_embedded_model(model) -> None:
-    from lmcache_backend.bench.devset import hf_answer
+    from lmcache_backend.bench.datasets.devset import hf_answer
 
     shipped = load_dataset("dev", model=model)[:3]
     assert calibrate(shipped, hf_answer(model_name=model)) == shipped

@@ -8,7 +8,7 @@ import pytest
 import torch
 from numerics import assert_close, relative_error
 
-from lmcache_backend.bench.strategies import BLEND, FULL, Strategy
+from lmcache_backend.bench.quality.strategies import BLEND, FULL, Strategy
 from lmcache_backend.data.examples import builtin_examples, reordered
 
 pytestmark = pytest.mark.slow
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine():
-    from lmcache_backend.bench.hf_engine import HFEngine
+    from lmcache_backend.bench.quality.hf_engine import HFEngine
     from lmcache_backend.config import load_config
     from lmcache_backend.data.embedded import load_embedded_model
 

@@ -16,9 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from lmcache_backend.bench import load, load_stats
-from lmcache_backend.bench.load_driver import PhaseSpec, request_body, run_phase
-from lmcache_backend.bench.load_workload import (
+from lmcache_backend.bench.load_test import run as load
+from lmcache_backend.bench.load_test import stats as load_stats
+from lmcache_backend.bench.load_test.driver import PhaseSpec, request_body, run_phase
+from lmcache_backend.bench.load_test.workload import (
     STOCK_SYSTEM,
     ZipfSampler,
     build_requests,
@@ -349,7 +350,7 @@ vllm:time_to_first_token_seconds_sum{model_name="m"} 0.35
 
 
 def test_metrics_are_summed_by_sample_name_and_labels() -> None:
-    from lmcache_backend.demos.server_process import metric_total, metric_totals
+    from lmcache_backend.integration.vllm.serving.process import metric_total, metric_totals
 
     assert metric_total(METRICS_TEXT, "vllm:cacheblend_requests_total") == 9.0
     assert metric_total(METRICS_TEXT, "vllm:cacheblend_requests_total", reason="opted out") == 7.0
@@ -364,13 +365,13 @@ def test_metrics_are_summed_by_sample_name_and_labels() -> None:
 
 
 def load_driver_counters(text: str) -> dict[str, float]:
-    from lmcache_backend.bench.load_driver import parse_metrics
+    from lmcache_backend.bench.load_test.driver import parse_metrics
 
     return parse_metrics(text)
 
 
 def test_the_ingested_phase_pre_encodes_its_corpus_first(fake_server, tmp_path, monkeypatch):
-    from lmcache_backend.bench import load_ingest
+    from lmcache_backend.bench.load_test import ingest as load_ingest
 
     calls = []
 
@@ -397,7 +398,8 @@ def test_a_started_server_starts_after_the_ingestion(fake_server, tmp_path, monk
     """Without --url the corpus is encoded before the server starts: one engine at a time."""
     import contextlib
 
-    from lmcache_backend.bench import bench_server, load_ingest
+    from lmcache_backend.bench import server as bench_server
+    from lmcache_backend.bench.load_test import ingest as load_ingest
 
     events = []
 
@@ -423,7 +425,7 @@ def test_a_started_server_starts_after_the_ingestion(fake_server, tmp_path, monk
 
 
 def test_the_bound_of_a_reuse_phase() -> None:
-    from lmcache_backend.bench.load_ingest import bound_line, reuse_bound
+    from lmcache_backend.bench.load_test.ingest import bound_line, reuse_bound
 
     def phase(rps, p90, found=None, blend_s=0.0, done=100):
         stats = None if found is None else {"found_share": found}
@@ -455,8 +457,8 @@ def test_ingested_chunks_are_found_in_the_load_requests() -> None:
     ingest stores in its template are found there, all but up to a block at each edge."""
     from transformers import AutoTokenizer
 
-    from lmcache_backend.bench.load_ingest import TEMPLATE
-    from lmcache_backend.blend.patterns import BlockPattern
+    from lmcache_backend.bench.load_test.ingest import TEMPLATE
+    from lmcache_backend.blend.segments.patterns import BlockPattern
     from lmcache_backend.commands.corpus import ChunkPrompt
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.models.fingerprint import ModelFingerprint

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_backend.bench.dataset import load_dataset
-from lmcache_backend.bench.devset import gold_chunk
-from lmcache_backend.bench.long_context import (
+from lmcache_backend.bench.datasets.dataset import load_dataset
+from lmcache_backend.bench.datasets.devset import gold_chunk
+from lmcache_backend.bench.datasets.long_context import (
     DEPTHS,
     _names,
     long_context_examples,

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from lmcache_backend.bench import musique
-from lmcache_backend.bench.dataset import load_dataset
-from lmcache_backend.bench.metrics import (
+from lmcache_backend.bench.datasets import musique
+from lmcache_backend.bench.datasets.dataset import load_dataset
+from lmcache_backend.bench.quality.metrics import (
     answer_f1,
     answer_span,
     first_line,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_backend.bench.engines import oracle_recompute_mask
-from lmcache_backend.bench.strategies import BLEND, ORACLE, build_strategies
+from lmcache_backend.bench.quality.engines import oracle_recompute_mask
+from lmcache_backend.bench.quality.strategies import BLEND, ORACLE, build_strategies
 
 
 def test_read_shares_add_a_knob_strategy_per_blend_ratio() -> None:

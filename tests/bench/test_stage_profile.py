@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_backend.bench.stage_profile import describe, line, stage_profile
+from lmcache_backend.bench.profiling.stage_profile import describe, line, stage_profile
 
 
 def test_two_lengths_give_the_line_through_them() -> None:
@@ -33,7 +33,7 @@ def test_a_stage_missing_at_a_length_counts_zero_there() -> None:
 def test_the_served_profile_splits_each_strategy_and_phase() -> None:
     """``bench --profile`` over several sizes: every strategy's TTFT and every phase of the
     profiled ratio get a fixed and a per-1k-token cost."""
-    from lmcache_backend.bench.profile import stage_profile_of
+    from lmcache_backend.bench.profiling.profile import stage_profile_of
 
     rows = [
         {"prompt_tokens": 1000, "ttft_ms": {"full prefill": 300.0, "CacheBlend 0.2": 200.0},

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import json
-from lmcache_backend.bench.metrics import kl_divergence
-from lmcache_backend.bench.strategies import BLEND, FULL, Strategy
-from lmcache_backend.bench.vllm_engine import VLLMEngine
+from lmcache_backend.bench.quality.metrics import kl_divergence
+from lmcache_backend.bench.quality.strategies import BLEND, FULL, Strategy
+from lmcache_backend.bench.quality.vllm_engine import VLLMEngine
 from lmcache_backend.data.embedded import embedded_model_path
 from lmcache_backend.data.examples import builtin_examples, reordered
 from lmcache_backend.integration.vllm.offline import read_records

@@ -16,7 +16,7 @@ from tiny_hf import C1, C2, C3, Q1, Q2, SYS, rag_prompt, setup_blender, tiny_mod
 
 from lmcache_backend import ops as ops_registry
 from lmcache_backend.blend import KVTarget
-from lmcache_backend.blend.layer_load import LayerLoader
+from lmcache_backend.blend.layerwise.layer_load import LayerLoader
 from lmcache_backend.ops import Ops, get_ops
 
 BLOCK_SIZE = 16
@@ -139,7 +139,7 @@ def test_the_stream_holds_two_layers_and_never_every_layer(llama, monkeypatch) -
         raise AssertionError("every layer's K/V were built at once")
 
     monkeypatch.setattr(LayerLoader, "wait", counting_wait)
-    monkeypatch.setattr("lmcache_backend.blend.cached_kv.cached_layers", no_whole_request)
+    monkeypatch.setattr("lmcache_backend.blend.layerwise.cached_kv.cached_layers", no_whole_request)
     blender.gpu_connector = StreamingPagedKV(blender.model, len(tokens), get_ops("torch"))
     result = blender.blend(tokens, compute_end=len(tokens) - len(Q2))
     assert result.blended

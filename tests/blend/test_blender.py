@@ -484,7 +484,7 @@ def test_blending_never_writes_into_the_stores_entries(tiny, selection) -> None:
 def test_retriever_stacks_every_layers_hits_with_zero_rows_between() -> None:
     """``stacked``: each hit's rows of every layer in place, rows no hit covers zero (the
     uninitialised buffer must not leak into them), and the same rows as ``result(layer)``."""
-    from lmcache_backend.blend.retriever import SPTBlendRetrieverTask
+    from lmcache_backend.blend.segments.retriever import SPTBlendRetrieverTask
     from lmcache_backend.storage.segments import SegmentKV
 
     g = torch.Generator().manual_seed(1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_backend.blend.layer_load import LOAD_MODES, LayerLoader
+from lmcache_backend.blend.layerwise.layer_load import LOAD_MODES, LayerLoader
 from lmcache_backend.storage.segments import SegmentKV
 
 LAYERS, TOKENS, HEADS, DIM = 4, 50, 2, 8

@@ -8,7 +8,12 @@ import pytest
 import torch
 from tiny_hf import C1, C2, C3, Q1, Q2, SEP, SYS, rag_prompt, setup_blender, tiny_model, warm_store
 
-from lmcache_backend.blend.provenance import HitContext, exact_rows, exact_run, prefix_digests
+from lmcache_backend.blend.segments.provenance import (
+    HitContext,
+    exact_rows,
+    exact_run,
+    prefix_digests,
+)
 from lmcache_backend.storage.segments import SegmentKV, context_digest
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_hf import C1, C2, C3, Q1, Q2, SYS, rag_prompt, setup_blender, tiny_model, warm_store
 
-from lmcache_backend.blend.read_share import count_for_read_share, read_share
+from lmcache_backend.blend.selectors.read_share import count_for_read_share, read_share
 from lmcache_backend.config import ConfigError, load_config
 
 READS = torch.tensor([0.0, 5.0, 3.0, 1.0, 1.0, 7.0])

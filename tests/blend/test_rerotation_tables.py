@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmcache_backend.blend.cached_kv import _rerotate
+from lmcache_backend.blend.layerwise.cached_kv import _rerotate
 from lmcache_backend.ops import get_ops
 from lmcache_backend.ops.reference import rope_rerotate_k
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_hf import C1, C2, C3, Q1, Q2, SEP, SYS, rag_prompt, setup_blender, tiny_model, warm_store
 
-from lmcache_backend.blend.selection import (
+from lmcache_backend.blend.selectors.selection import (
     NEEDS_QUERY_ATTENTION,
     PREVIEW_SELECTIONS,
     SCORERS,
@@ -136,7 +136,7 @@ def test_query_attention_selection_keeps_what_the_question_reads(llama) -> None:
 def test_query_preview_recomputes_what_the_preview_attends_to(llama, monkeypatch) -> None:
     """The preview's attention mass decides the fixed selection: with a mass that favours known
     tokens, exactly those (plus the query) are recomputed in every layer."""
-    import lmcache_backend.blend.preview_mass as preview_mass
+    import lmcache_backend.blend.selectors.preview_mass as preview_mass
 
     blender, cache = setup_blender(llama, ratios=(0.1,), selection="query_preview")
     warm_store(llama, cache, rag_prompt(SYS, C1, C2, C3, Q1))
@@ -185,7 +185,10 @@ def test_attention_with_query_mass_matches_the_separate_ops(heads, query_rows, w
     same mass as query_attention_mass of the query rows (fp32 math, tolerance 1e-5), whether the
     query rows are the last rows (the preview's case) or not, with or without a sliding
     window."""
-    from lmcache_backend.blend.selection import attention_with_query_mass, query_attention_mass
+    from lmcache_backend.blend.selectors.selection import (
+        attention_with_query_mass,
+        query_attention_mass,
+    )
     from lmcache_backend.ops.reference import attention_at_positions
 
     g = torch.Generator().manual_seed(3)
@@ -217,7 +220,7 @@ def test_attention_with_query_mass_hides_keys_no_pass_computed() -> None:
     """Hidden keys (uncached tokens the preview leaves to the blend) are read by no query: the
     output and masses equal those over the other keys alone, even when the hidden rows hold
     non-finite values (fp32, tolerance 1e-5)."""
-    from lmcache_backend.blend.selection import attention_with_query_mass
+    from lmcache_backend.blend.selectors.selection import attention_with_query_mass
 
     g = torch.Generator().manual_seed(5)
     t = 32
@@ -248,7 +251,7 @@ def test_attention_with_query_mass_hides_keys_no_pass_computed() -> None:
 def test_attention_with_query_mass_in_half_precision(dtype) -> None:
     """bf16/fp16 keys: the products run in that dtype, softmax and masses in fp32. Against the
     fp32 op on the same (rounded) inputs: output within 2e-2, masses within 2% of the total."""
-    from lmcache_backend.blend.selection import attention_with_query_mass
+    from lmcache_backend.blend.selectors.selection import attention_with_query_mass
 
     g = torch.Generator().manual_seed(5)
     t, positions = 300, torch.tensor([10, 11, 150, 296, 297, 298, 299])
@@ -285,7 +288,7 @@ def test_position_discount_divides_by_one_plus_d_times_the_relative_position() -
 def test_position_discount_prefers_the_earlier_of_two_close_scores(llama, monkeypatch, selection):
     """Token 30 scores a little below token 120: without the discount token 120 is chosen, with
     it token 30 (120 / 30 positions apart, scores 10% apart). Scores far apart keep their order."""
-    import lmcache_backend.blend.preview_mass as preview_mass
+    import lmcache_backend.blend.selectors.preview_mass as preview_mass
 
     real = preview_mass.attention_with_query_mass
 
@@ -298,7 +301,7 @@ def test_position_discount_prefers_the_earlier_of_two_close_scores(llama, monkey
     monkeypatch.setattr(preview_mass, "attention_with_query_mass", fake)
     monkeypatch.setattr(preview_mass, "value_norms", lambda values: torch.ones(values.shape[0]))
     # every reused token equally stale: the staleness-aware selection then ranks by reads alone
-    import lmcache_backend.blend.preview as preview
+    import lmcache_backend.blend.selectors.preview as preview
 
     monkeypatch.setattr(
         preview, "token_staleness", lambda meta, device: torch.ones(meta.positions.numel())
@@ -333,7 +336,7 @@ def test_chunk_head_tokens_are_recomputed_first(llama, monkeypatch) -> None:
     """``blend_chunk_head_tokens=2``: the first two tokens of every reused chunk (not the exact
     system prefix) are recomputed, and the preview's best tokens fill the rest of the same
     budget."""
-    import lmcache_backend.blend.preview_mass as preview_mass
+    import lmcache_backend.blend.selectors.preview_mass as preview_mass
 
     real = preview_mass.attention_with_query_mass
     favoured = [17, 40, 41, 77, 90, 101, 110, 120, 130, 140, 141, 142, 143, 20, 25, 30]
@@ -363,7 +366,7 @@ def test_chunk_head_tokens_are_recomputed_first(llama, monkeypatch) -> None:
 
 
 def test_scored_layers_keep_the_layers_that_see_the_whole_prompt() -> None:
-    from lmcache_backend.blend.selection import scored_layers
+    from lmcache_backend.blend.selectors.selection import scored_layers
 
     gemma = [512] * 5 + [None] + [512] * 5 + [None]  # two of Gemma 3's six-layer groups
     assert scored_layers(gemma, 1000, 0, "global") == [w is None for w in gemma]
@@ -380,7 +383,7 @@ def test_preview_scores_only_the_layers_from_the_set_share(llama, monkeypatch) -
     """``blend_preview_scored_from=0.5``: the reads of the first half of the layers do not count.
     Shallow layers read tokens 40 and 41 far more than deep layers read 90 and 100; scoring
     every layer recomputes the first pair, scoring the deep half the second."""
-    import lmcache_backend.blend.preview_mass as preview_mass
+    import lmcache_backend.blend.selectors.preview_mass as preview_mass
 
     real = preview_mass.attention_with_query_mass
     calls = []
@@ -410,7 +413,7 @@ def test_preview_scores_only_the_layers_from_the_set_share(llama, monkeypatch) -
 def test_query_preview_last_weights_the_last_tokens_reads(llama, monkeypatch) -> None:
     """A token only the last token reads outranks tokens the other query tokens read a little
     more: the last token's share counts as much as all the query tokens' together."""
-    import lmcache_backend.blend.preview_mass as preview_mass
+    import lmcache_backend.blend.selectors.preview_mass as preview_mass
 
     real = preview_mass.attention_with_query_mass
 
@@ -520,7 +523,7 @@ def test_hidden_keys_in_the_prepared_masks_equal_masking_them_each_call() -> Non
     """The preview's masks built once with its hidden keys (finite rows: zero, or cached values
     a request's mask leaves out) give the output and masses of masking them in the call
     (fp32, tolerance 1e-6)."""
-    from lmcache_backend.blend.selection import attention_with_query_mass, query_masks
+    from lmcache_backend.blend.selectors.selection import attention_with_query_mass, query_masks
 
     g = torch.Generator().manual_seed(9)
     t = 48

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lmcache_backend.blend import LMCBlender, SegmentCache
-from lmcache_backend.blend.patterns import AutoPattern, BlockPattern, segment_pattern
 from lmcache_backend.blend.segmenting import Segment, SeparatorPattern, build_blend_prompt
+from lmcache_backend.blend.segments.patterns import AutoPattern, BlockPattern, segment_pattern
 from lmcache_backend.config import ConfigError, load_config
 from lmcache_backend.integration.hf.engine import hf_full_prefill
 from lmcache_backend.models.hf import HFModelAdapter

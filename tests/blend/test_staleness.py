@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_hf import C1, C2, C3, Q1, Q2, SEP, SYS, rag_prompt, setup_blender, tiny_model, warm_store
 
-from lmcache_backend.blend.staleness import (
+from lmcache_backend.blend.selectors.staleness import (
     count_for_divergence,
     divergence,
     relative_prior,
@@ -127,7 +127,7 @@ def test_a_probe_gives_each_stored_chunk_its_measured_prior(llama):
     """Two staleness probes (each chunk computed after other text) give each chunk stored alone
     the mean of the two measured deviations: keys re-rotated to the probe's positions, every
     layer; the exact system part and anything not held are left alone; nothing is stored."""
-    from lmcache_backend.blend.staleness_prior import ProbeAccumulator, measure_probe
+    from lmcache_backend.blend.segments.staleness_prior import ProbeAccumulator, measure_probe
     from lmcache_backend.integration.hf.engine import hf_full_prefill
     from lmcache_backend.ops.reference import rope_rerotate_k
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from lmcache_backend.blend.patterns import segment_pattern
 from lmcache_backend.blend.segmenting import build_blend_prompt, shaped_prompt
+from lmcache_backend.blend.segments.patterns import segment_pattern
 from lmcache_backend.commands.corpus import (
     INGEST_QUESTION,
     CorpusError,
@@ -237,7 +237,7 @@ def test_the_ingest_command_writes_a_corpus_into_a_cluster(tmp_path, tokenizer) 
     from redis_deployments import RedisClusterNodes
     from vllm_scripts import BLEND_ENV
 
-    from lmcache_backend.storage.redis_tier import RedisTier
+    from lmcache_backend.storage.remote.tier import RedisTier
 
     examples = builtin_examples(count=2, chunks_per_example=4, seed=11)
     corpus = tmp_path / "corpus.jsonl"

@@ -3,7 +3,7 @@ accepted, with a non-zero exit status and no traceback (``-v`` adds the tracebac
 and help text for every option.
 
 Every case stops before an engine starts: ``serve`` checks its configuration, model and memory
-first (:mod:`lmcache_backend.integration.vllm.serve_checks`)."""
+first (:mod:`lmcache_backend.integration.vllm.serving.checks`)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def _actions(parser: argparse.ArgumentParser, name: str):
 
 
 def test_every_option_has_help_text() -> None:
-    from lmcache_backend.integration.vllm.serve import help_parser
+    from lmcache_backend.integration.vllm.serving.serve import help_parser
 
     actions = [*_actions(build_parser(), "lmcache-backend"), *_actions(help_parser(), "serve")]
     assert len(actions) > 50

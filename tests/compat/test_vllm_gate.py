@@ -21,7 +21,7 @@ import pytest
 # on a gate that refuses, not on an import
 from repo_paths import REPO_ROOT
 
-from lmcache_backend.blend.patterns import BlockPattern
+from lmcache_backend.blend.segments.patterns import BlockPattern
 from lmcache_backend.compat import UnsupportedVersions, Versions, release
 from lmcache_backend.config import BlendConfig
 
@@ -205,7 +205,7 @@ def _forget_decisions() -> None:
         "lmcache_backend.compat.versions",
         "lmcache_backend.compat.vllm",
         "lmcache_backend.compat.gate",
-        "lmcache_backend.ops.device",
+        "lmcache_backend.device",
     ):
         try:
             module = importlib.import_module(module_name)
@@ -252,7 +252,7 @@ def installed(monkeypatch: pytest.MonkeyPatch):
             return real(name)
 
         monkeypatch.setattr(importlib.metadata, "version", version)
-        from lmcache_backend.ops import device
+        from lmcache_backend import device
 
         monkeypatch.setattr(device, "engine_platform", lambda: platform, raising=False)
         _forget_decisions()
@@ -410,7 +410,7 @@ def test_torch_platform_detection_tells_platforms_apart(
 
     import torch
 
-    from lmcache_backend.ops import device
+    from lmcache_backend import device
 
     _resolve_vllm_platform()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -429,7 +429,7 @@ def test_torch_platform_detection_tells_platforms_apart(
 def test_vllm_platform_names(rocm: bool, device_type: str, expected: str) -> None:
     from types import SimpleNamespace
 
-    from lmcache_backend.ops.device import platform_of, unsupported_platform_reason
+    from lmcache_backend.device import platform_of, unsupported_platform_reason
 
     platform = platform_of(SimpleNamespace(is_rocm=lambda: rocm, device_type=device_type))
     assert platform == expected

@@ -260,8 +260,8 @@ def test_bench_prefix_caching_keeps_every_row_of_the_windowed_layers(gemma) -> N
     """The HF benchmark's prefix-caching strategy on a prompt four windows long: its K/V (what
     decoding continues from) are full prefill's in every layer, windowed ones included, not the
     last window alone (fp32 tolerance of numerics.py)."""
-    from lmcache_backend.bench.hf_engine import HFEngine
-    from lmcache_backend.bench.strategies import PREFIX, Strategy
+    from lmcache_backend.bench.quality.hf_engine import HFEngine
+    from lmcache_backend.bench.quality.strategies import PREFIX, Strategy
 
     ids = rand_ids(4 * GEMMA3_WINDOW, 11)
     bench = HFEngine.__new__(HFEngine)  # the prefix path needs only the model and its prompts
@@ -284,7 +284,7 @@ def test_preview_scores_only_the_layers_that_see_the_whole_prompt(gemma, monkeyp
     than the prompt reads only its end, so its reads do not count. The windowed layers read
     tokens 40 and 41 far more than the global layers read 90 and 100: scoring every layer
     recomputes the first pair, the default the second."""
-    import lmcache_backend.blend.preview_mass as preview_mass
+    import lmcache_backend.blend.selectors.preview_mass as preview_mass
 
     real = preview_mass.attention_with_query_mass
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from lmcache_backend.storage import FileSegmentIndex, IndexDirError, create_store
-from lmcache_backend.storage.index_dir import OWNER_FILE, base_dir, default_index_dir
+from lmcache_backend.storage.lookup.index_dir import OWNER_FILE, base_dir, default_index_dir
 
 KEY = "ab" * 32
 
@@ -249,7 +249,7 @@ def test_a_segment_a_running_process_maps_is_kept(tmp_path) -> None:
     """A recorded segment that another running process still maps is not unlinked."""
     from multiprocessing import shared_memory
 
-    from lmcache_backend.storage import shm_leftovers
+    from lmcache_backend.storage.lookup import shm_leftovers
 
     segment = shared_memory.SharedMemory(create=True, size=4096)
     try:
@@ -267,7 +267,7 @@ def test_a_segment_a_running_process_maps_is_kept(tmp_path) -> None:
 def test_a_half_removed_folder_is_finished(tmp_path) -> None:
     """A folder whose owner record an older cleanup removed, leaving the shared-memory record
     it did not know: removed by the next start; a folder with neither record is not ours."""
-    from lmcache_backend.storage import shm_leftovers
+    from lmcache_backend.storage.lookup import shm_leftovers
 
     parent = tmp_path / "base" / "index"
     half = parent / "half"

@@ -6,7 +6,7 @@ import pytest
 
 from lmcache_backend.config import ConfigError, load_config
 from lmcache_backend.storage import create_store
-from lmcache_backend.storage.redis_url import parse_remote_url
+from lmcache_backend.storage.remote.url import parse_remote_url
 from lmcache_backend.storage.settings import store_settings
 
 

@@ -13,10 +13,10 @@ import torch
 from segment_cases import FP, FP_HEX, LAYOUT, OTHER_FP, key_of, make_kv, same, warnings_with
 
 from lmcache_backend.storage import DiskTier, ExpectedLayout, MemoryTier, TieredStore, serde
-from lmcache_backend.storage.auth import MAGIC, TAG_BYTES, EntryAuth, is_sealed
-from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier, redis_key
+from lmcache_backend.storage.remote.auth import MAGIC, TAG_BYTES, EntryAuth, is_sealed
+from lmcache_backend.storage.remote.shared_copy import SharedCopyCheck
+from lmcache_backend.storage.remote.tier import DEFAULT_PREFIX, RedisTier, redis_key
 from lmcache_backend.storage.segments import SegmentKV
-from lmcache_backend.storage.shared_copy import SharedCopyCheck
 
 SECRET = b"refused-values-secret-0123456789"
 N = 3  # tokens of every key_of() segment

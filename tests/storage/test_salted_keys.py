@@ -9,8 +9,8 @@ import struct
 import torch
 from segment_cases import FP
 
-from lmcache_backend.blend.retriever import SPTBlendRetriever
-from lmcache_backend.blend.segment_cache import SegmentCache
+from lmcache_backend.blend.segments.retriever import SPTBlendRetriever
+from lmcache_backend.blend.segments.segment_cache import SegmentCache
 from lmcache_backend.storage import MemoryTier
 from lmcache_backend.storage.segments import key_seed, segment_key, segment_keys
 
@@ -68,7 +68,7 @@ def test_lookups_and_stores_stay_in_their_salt() -> None:
 
 def test_the_vllm_saver_stores_under_the_requests_salt() -> None:
     from lmcache_backend.integration.vllm.metadata import SaveSpec
-    from lmcache_backend.integration.vllm.saves import SegmentSaver
+    from lmcache_backend.integration.vllm.worker_side.saves import SegmentSaver
 
     store = MemoryTier("cpu", 1 << 20, name="cpu")
     cache = SegmentCache(store, FP, SEP)

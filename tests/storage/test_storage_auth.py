@@ -11,8 +11,8 @@ from segment_cases import FP, FP_HEX, LAYOUT, key_of, make_kv, same, warnings_wi
 
 from lmcache_backend.config import ConfigError, load_config
 from lmcache_backend.storage import ExpectedLayout, MemoryTier, TieredStore, create_store, serde
-from lmcache_backend.storage.auth import MAGIC, AuthenticationError, EntryAuth
-from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier, redis_key
+from lmcache_backend.storage.remote.auth import MAGIC, AuthenticationError, EntryAuth
+from lmcache_backend.storage.remote.tier import DEFAULT_PREFIX, RedisTier, redis_key
 from lmcache_backend.storage.segments import SegmentKV
 from lmcache_backend.storage.settings import store_settings
 

@@ -15,7 +15,7 @@ from segment_cases import FP, key_of, make_kv, same, warnings_with
 
 from lmcache_backend.config import load_config
 from lmcache_backend.storage import create_lookup, create_store
-from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier, redis_key
+from lmcache_backend.storage.remote.tier import DEFAULT_PREFIX, RedisTier, redis_key
 
 N = 30  # segments per test, spread over the three primaries
 

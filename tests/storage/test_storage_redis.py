@@ -25,7 +25,7 @@ from lmcache_backend.storage import (
     create_store,
     serde,
 )
-from lmcache_backend.storage.redis_tier import DEFAULT_PREFIX, RedisTier, redis_key
+from lmcache_backend.storage.remote.tier import DEFAULT_PREFIX, RedisTier, redis_key
 
 
 def _tier(url: str, fp: ModelFingerprint = FP, **kw) -> RedisTier:
@@ -254,7 +254,7 @@ def test_hung_server_blocks_one_request_at_most(caplog):
 
 
 def test_connection_guard_warns_once_and_backs_off(caplog):
-    from lmcache_backend.storage.health import ConnectionGuard
+    from lmcache_backend.storage.remote.health import ConnectionGuard
 
     attempts: list[float] = []
     up = threading.Event()

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from segment_cases import entry_bytes, key_of, make_kv, same
 
-from lmcache_backend.bench import store_policies
+from lmcache_backend.bench.load_test import store_policies
 from lmcache_backend.config import ConfigError, load_config
 from lmcache_backend.storage import FileSegmentIndex, MemoryTier, TieredStore, create_store
 from lmcache_backend.storage.policy import (

@@ -247,7 +247,7 @@ def install() -> None:
     gpu_worker.Worker.init_device = _init_device
     # lmcache-backend asks vLLM's platform which code path to take: the CUDA one, as on a GPU
     # (the platform's device_type says "cpu" only because its tensors live there)
-    from lmcache_backend.ops import device
+    from lmcache_backend import device
 
     device.engine_platform = lambda: "cuda"
     device.detect_platform = lambda: "cuda"

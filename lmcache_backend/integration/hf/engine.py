@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from lmcache_backend.blend import BlendResult, LMCBlender
-from lmcache_backend.blend.patterns import segment_pattern
-from lmcache_backend.blend.segment_cache import SegmentCache
+from lmcache_backend.blend.segments.patterns import segment_pattern
+from lmcache_backend.blend.segments.segment_cache import SegmentCache
 from lmcache_backend.config import BlendConfig, load_config
 from lmcache_backend.models.hf import HFModelAdapter
 from lmcache_backend.ops import Ops, get_ops
@@ -140,7 +140,7 @@ class HFBlendEngine:
         self.blender = LMCBlender(
             self.store, None, self.config, self.adapter, self.separator, self.ops
         )
-        from lmcache_backend.blend.staleness_prior import ProbeAccumulator
+        from lmcache_backend.blend.segments.staleness_prior import ProbeAccumulator
 
         self._probes = ProbeAccumulator()
         self.stop_ids = {
@@ -198,9 +198,9 @@ class HFBlendEngine:
     def probe(self, token_ids: Sequence[int], probes: int, cache_salt: str | None = None) -> int:
         """A staleness probe: full prefill of ``token_ids``, measured against every stored
         segment it holds that was computed in another context; each entry gets its staleness
-        prior after ``probes`` probes (:mod:`lmcache_backend.blend.staleness_prior`). Nothing
+        prior after ``probes`` probes (:mod:`lmcache_backend.blend.segments.staleness_prior`). Nothing
         is stored. Returns the entries given a prior."""
-        from lmcache_backend.blend.staleness_prior import measure_probe
+        from lmcache_backend.blend.segments.staleness_prior import measure_probe
 
         tokens = list(token_ids)
         prefill = self.full_prefill(tokens)

@@ -41,7 +41,7 @@ def _entry_point_registered() -> bool:
 
 
 #: The attention path of the blend's selected queries on each platform
-#: (:mod:`lmcache_backend.integration.vllm.attention_choice`).
+#: (:mod:`lmcache_backend.integration.vllm.worker_side.attention_choice`).
 ATTENTION_PATHS = {
     "cpu": "the tiled CPU kernel (or vLLM's CPU paged attention) over the request's blocks; "
     "selected tokens through vLLM's compiled forward",
@@ -116,8 +116,8 @@ def doctor_section() -> tuple[str, list[tuple[str, str]]]:
     versions, the matrix row, the gate's decision, the code path and, without an engine in this
     process, what an engine here would use (platform, attention path, KV-cache layout)."""
     from lmcache_backend.compat.versions import detect_versions
+    from lmcache_backend.device import detect_platform, engine_platform
     from lmcache_backend.integration.vllm.plugin import hook_status
-    from lmcache_backend.ops.device import detect_platform, engine_platform
 
     versions = detect_versions()
     status = hook_status()

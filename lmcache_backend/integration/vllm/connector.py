@@ -34,10 +34,13 @@ from lmcache_backend.compat.vllm import SLICED_VERIFIED_RELEASE
 from lmcache_backend.config import ConfigError
 from lmcache_backend.integration.vllm.layouts import LayerCache
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata
-from lmcache_backend.integration.vllm.metrics import CacheBlendPromMetrics, CacheBlendStats
-from lmcache_backend.integration.vllm.scheduler import SchedulerSide
+from lmcache_backend.integration.vllm.reporting.metrics import (
+    CacheBlendPromMetrics,
+    CacheBlendStats,
+)
+from lmcache_backend.integration.vllm.scheduler_side.scheduler import SchedulerSide
 from lmcache_backend.integration.vllm.settings import ConnectorSettings, load_settings
-from lmcache_backend.integration.vllm.worker import WorkerSide
+from lmcache_backend.integration.vllm.worker_side.worker import WorkerSide
 from lmcache_backend.models.vllm import vllm_fingerprint
 from lmcache_backend.settings import read_variable
 

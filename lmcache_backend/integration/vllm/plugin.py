@@ -79,7 +79,7 @@ def register() -> None:
     _state["registered"] = True
     try:
         from lmcache_backend.compat.gate import code_path
-        from lmcache_backend.ops.device import engine_platform
+        from lmcache_backend.device import engine_platform
 
         profile = code_path()
         if profile is not None:

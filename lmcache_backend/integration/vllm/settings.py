@@ -16,12 +16,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lmcache_backend.blend.patterns import SegmentPattern, segment_pattern
+from lmcache_backend.blend.segments.patterns import SegmentPattern, segment_pattern
 from lmcache_backend.config import BlendConfig, ConfigError, load_config
 from lmcache_backend.logtext import shorten, shown
 from lmcache_backend.settings import CONNECTOR, ENGINE, REQUEST, parse_given, setting_field
 from lmcache_backend.settings.vllm_keys import SKIP_SAVE, STALENESS_PROBES
-from lmcache_backend.storage.index_dir import default_index_dir
+from lmcache_backend.storage.lookup.index_dir import default_index_dir
 from lmcache_backend.storage.settings import store_settings
 
 if TYPE_CHECKING:

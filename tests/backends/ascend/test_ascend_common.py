@@ -244,8 +244,8 @@ def check_paged(
 
 
 def test_get_ops_ascend_names_what_is_missing() -> None:
+    from lmcache_backend.device import npu_unavailable_reason
     from lmcache_backend.ops import BackendUnavailable, get_ops
-    from lmcache_backend.ops.device import npu_unavailable_reason
 
     reason = npu_unavailable_reason()
     if reason is None:
@@ -258,7 +258,8 @@ def test_get_ops_ascend_names_what_is_missing() -> None:
 
 
 def test_load_raises_with_the_device_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmcache_backend.ops import BackendUnavailable, device
+    from lmcache_backend import device
+    from lmcache_backend.ops import BackendUnavailable
 
     backend = import_ascend_backend()
     monkeypatch.setattr(device, "npu_unavailable_reason", lambda: "no NPU visible (test)")
@@ -267,7 +268,8 @@ def test_load_raises_with_the_device_reason(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_every_op_is_registered_when_a_device_is_usable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmcache_backend.ops import OP_NAMES, _load_backend, device, implementations
+    from lmcache_backend import device
+    from lmcache_backend.ops import OP_NAMES, _load_backend, implementations
 
     backend = import_ascend_backend()
     monkeypatch.setattr(device, "npu_unavailable_reason", lambda: None)

@@ -21,7 +21,7 @@ from test_ascend_common import (
     import_ascend_backend,
 )
 
-from lmcache_backend.ops.device import npu_unavailable_reason
+from lmcache_backend.device import npu_unavailable_reason
 
 _REASON = npu_unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no usable NPU: {_REASON}")

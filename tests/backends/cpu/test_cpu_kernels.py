@@ -179,7 +179,9 @@ def test_selected_attention_choice(caplog) -> None:
     pytest.importorskip("vllm")
     from dataclasses import replace
 
-    from lmcache_backend.integration.vllm.attention_choice import _tiled_attention as pick
+    from lmcache_backend.integration.vllm.worker_side.attention_choice import (
+        _tiled_attention as pick,
+    )
     from lmcache_backend.ops import get_ops
 
     no_kernel = replace(
@@ -209,7 +211,7 @@ def test_op_set_is_loaded_when_the_caches_are_registered(monkeypatch) -> None:
     """The op set (the CPU backend builds its kernel then) is loaded at engine start, not in the
     first blended request's TTFT, and the caches are ordered by layer index."""
     pytest.importorskip("vllm")
-    from lmcache_backend.integration.vllm import worker as worker_module
+    from lmcache_backend.integration.vllm.worker_side import worker as worker_module
 
     calls = []
     monkeypatch.setattr(worker_module, "get_ops", lambda name: calls.append(name))

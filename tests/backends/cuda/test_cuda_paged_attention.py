@@ -171,7 +171,7 @@ def test_every_tiling_matches_the_reference(tiling) -> None:
 def test_a_host_bound_on_the_positions_is_checked_without_reading_them() -> None:
     """``key_end`` (the caller's bound on every position + 1): the verifier checks the block
     table against it and reads nothing back from the device; the answer is the same."""
-    from lmcache_backend.bench.launch_count import LaunchCounter
+    from lmcache_backend.bench.profiling.launch_count import LaunchCounter
 
     g = torch.Generator().manual_seed(4)
     key_cache, value_cache = _caches("nhd", 6, 2, 32, torch.float32)

@@ -41,7 +41,7 @@ def test_estimate_counts_what_each_phase_computes() -> None:
 @pytest.fixture
 def scheduler(tmp_path, monkeypatch):
     from lmcache_backend.data.embedded import embedded_model_path
-    from lmcache_backend.integration.vllm.scheduler import SchedulerSide
+    from lmcache_backend.integration.vllm.scheduler_side.scheduler import SchedulerSide
     from lmcache_backend.integration.vllm.settings import load_settings
 
     for name in list(os.environ):
@@ -64,7 +64,7 @@ def scheduler(tmp_path, monkeypatch):
 
 def _hold(side, tokens: list[int], upto: int) -> None:
     """Put the aligned blocks of ``tokens[:upto]`` in the scheduler's index."""
-    from lmcache_backend.storage.index import FileSegmentIndex
+    from lmcache_backend.storage.lookup.index import FileSegmentIndex
     from lmcache_backend.storage.segments import segment_keys
 
     pattern = side.settings.separator

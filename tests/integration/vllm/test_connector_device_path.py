@@ -42,7 +42,7 @@ from lmcache_backend.integration.hf.engine import hf_full_prefill
 from lmcache_backend.integration.vllm.layouts import slots_for
 from lmcache_backend.integration.vllm.metadata import LoadSpec, SaveSpec
 from lmcache_backend.integration.vllm.settings import ConnectorSettings
-from lmcache_backend.integration.vllm.worker import WorkerSide
+from lmcache_backend.integration.vllm.worker_side.worker import WorkerSide
 from lmcache_backend.models.hf import HFModelAdapter
 from lmcache_backend.ops import OP_NAMES, Ops, get_ops, implementations
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # no
 from repo_paths import REPO_ROOT  # noqa: E402
 from test_claim_decisions import _hold, _request, scheduler  # noqa: E402,F401
 
-from lmcache_backend.integration.vllm.metrics import (  # noqa: E402
+from lmcache_backend.integration.vllm.reporting.metrics import (  # noqa: E402
     METRICS,
     CacheBlendPromMetrics,
     CacheBlendStats,
@@ -124,8 +124,8 @@ def test_every_metric_is_documented() -> None:
 def test_the_worker_hands_over_new_blends_and_store_activity_once() -> None:
     import torch
 
-    from lmcache_backend.integration.vllm.stats import BlendRecord, BlendStats
-    from lmcache_backend.integration.vllm.worker import WorkerSide
+    from lmcache_backend.integration.vllm.reporting.stats import BlendRecord, BlendStats
+    from lmcache_backend.integration.vllm.worker_side.worker import WorkerSide
     from lmcache_backend.storage import MemoryTier, TieredStore
     from lmcache_backend.storage.segments import SegmentKV
 
@@ -172,8 +172,8 @@ def test_the_worker_hands_over_new_blends_and_store_activity_once() -> None:
 def test_the_worker_hands_over_segments_the_store_did_not_admit() -> None:
     import torch
 
-    from lmcache_backend.integration.vllm.stats import BlendStats
-    from lmcache_backend.integration.vllm.worker import WorkerSide
+    from lmcache_backend.integration.vllm.reporting.stats import BlendStats
+    from lmcache_backend.integration.vllm.worker_side.worker import WorkerSide
     from lmcache_backend.storage import MemoryTier, TieredStore
     from lmcache_backend.storage.segments import SegmentKV
 
@@ -198,8 +198,8 @@ def test_the_worker_hands_over_the_shared_tiers_health_per_node() -> None:
 
     from redis_server import RedisServer
 
-    from lmcache_backend.integration.vllm.stats import BlendStats
-    from lmcache_backend.integration.vllm.worker import WorkerSide
+    from lmcache_backend.integration.vllm.reporting.stats import BlendStats
+    from lmcache_backend.integration.vllm.worker_side.worker import WorkerSide
     from lmcache_backend.storage import RedisTier, TieredStore
 
     server = RedisServer()

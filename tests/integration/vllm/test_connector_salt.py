@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 from fake_vllm_config import vllm_config
 
-from lmcache_backend.storage.index import FileSegmentIndex
+from lmcache_backend.storage.lookup.index import FileSegmentIndex
 
 
 @pytest.fixture
 def scheduler(tmp_path, monkeypatch):
     from lmcache_backend.data.embedded import embedded_model_path
-    from lmcache_backend.integration.vllm.scheduler import SchedulerSide
+    from lmcache_backend.integration.vllm.scheduler_side.scheduler import SchedulerSide
     from lmcache_backend.integration.vllm.settings import load_settings
     from lmcache_backend.models.fingerprint import ModelFingerprint
 

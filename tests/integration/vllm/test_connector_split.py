@@ -31,9 +31,9 @@ def test_scheduler_and_hf_engine_share_the_split(smol, sep, tmp_path, monkeypatc
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.data.examples import builtin_examples
     from lmcache_backend.integration.hf.engine import HFBlendEngine
-    from lmcache_backend.integration.vllm.scheduler import SchedulerSide
+    from lmcache_backend.integration.vllm.scheduler_side.scheduler import SchedulerSide
     from lmcache_backend.integration.vllm.settings import load_settings
-    from lmcache_backend.storage.index import FileSegmentIndex
+    from lmcache_backend.storage.lookup.index import FileSegmentIndex
 
     for name in list(os.environ):
         if name.startswith("LMCACHE_"):

@@ -1,7 +1,7 @@
 """Stock LangChain and LlamaIndex RAG clients, unchanged, against ``lmcache-backend serve``.
 
 Each framework builds and sends its own RAG prompt over loopback HTTP
-(:mod:`lmcache_backend.bench.client_langchain`, :mod:`lmcache_backend.bench.client_llamaindex`):
+(:mod:`lmcache_backend.bench.frameworks.langchain`, :mod:`lmcache_backend.bench.frameworks.llamaindex`):
 the first request stores the documents, the second sends them reordered with a new question and
 must be blended (read from the connector's stats file) with most of its tokens reused.
 
@@ -19,11 +19,11 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("openai")
 
-from lmcache_backend.bench.client_common import StatsFile  # noqa: E402
-from lmcache_backend.bench.clients import make_shape, served_model  # noqa: E402
-from lmcache_backend.bench.dataset import WARM_QUESTION  # noqa: E402
+from lmcache_backend.bench.datasets.dataset import WARM_QUESTION  # noqa: E402
+from lmcache_backend.bench.frameworks.clients import make_shape, served_model  # noqa: E402
+from lmcache_backend.bench.frameworks.common import StatsFile  # noqa: E402
 from lmcache_backend.data.examples import builtin_examples, reordered  # noqa: E402
-from lmcache_backend.demos.server_process import ServerProcess  # noqa: E402
+from lmcache_backend.integration.vllm.serving.process import ServerProcess  # noqa: E402
 
 #: Settings beyond LMCACHE_ENABLE_BLENDING=true: none, as a user starts the server.
 SERVER_ENV: dict[str, str] = {}

@@ -15,7 +15,7 @@ from lmcache_backend.models.fingerprint import ModelFingerprint
 def _scheduler(settings):
     """A scheduler whose store holds every segment; vLLM's ``resumed`` flag read from the
     step's output (``cached.resumed``)."""
-    from lmcache_backend.integration.vllm.scheduler import SchedulerSide
+    from lmcache_backend.integration.vllm.scheduler_side.scheduler import SchedulerSide
 
     fingerprint = ModelFingerprint("Llama", 30, 2, 2, 64, "rope", "float32", "w")
     release = SimpleNamespace(resumed=lambda cached, i: cached.resumed[i])

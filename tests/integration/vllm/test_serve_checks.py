@@ -11,8 +11,8 @@ import pytest
 
 from lmcache_backend.config import ConfigError
 from lmcache_backend.errors import UsageError
-from lmcache_backend.integration.vllm import serve_checks
-from lmcache_backend.integration.vllm.serve_checks import (
+from lmcache_backend.integration.vllm.serving import checks as serve_checks
+from lmcache_backend.integration.vllm.serving.checks import (
     GIB,
     KV_SPACE_ENV,
     Memory,

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from lmcache_backend.cli import _serve_args
-from lmcache_backend.integration.vllm import serve
+from lmcache_backend.integration.vllm.serving import serve
 
 
 @pytest.fixture

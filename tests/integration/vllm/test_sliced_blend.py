@@ -109,7 +109,7 @@ def test_auto_slices_claims_longer_than_one_vllm_step(settings_for) -> None:
 
 
 def _scheduler(settings):
-    from lmcache_backend.integration.vllm.scheduler import SchedulerSide
+    from lmcache_backend.integration.vllm.scheduler_side.scheduler import SchedulerSide
     from lmcache_backend.models.fingerprint import ModelFingerprint
 
     fingerprint = ModelFingerprint("Llama", 30, 2, 2, 64, "rope", "float32", "w")
@@ -215,9 +215,9 @@ def test_only_tail_free_selections_are_sliced(settings_for, per_step, params, sl
 
 
 def _worker(layers: int, per_step: int):
-    """The worker's loads (:class:`~lmcache_backend.integration.vllm.loads.Loads`) of a model
+    """The worker's loads (:class:`~lmcache_backend.integration.vllm.worker_side.loads.Loads`) of a model
     of ``layers`` layers; ``finished`` collects ``(request id, result)`` of completed blends."""
-    from lmcache_backend.integration.vllm.loads import Loads
+    from lmcache_backend.integration.vllm.worker_side.loads import Loads
 
     finished: list = []
 
@@ -232,7 +232,7 @@ def _worker(layers: int, per_step: int):
 def _job(worker, rid: str, layers: int, preview: bool | str, log: list):
     """A sliced job of ``layers`` blend passes after ``preview``: False (none), True (a preview
     layer by layer: ``layers`` passes) or ``"engine"`` (one pass, vLLM's forward)."""
-    from lmcache_backend.integration.vllm.loads import _Sliced
+    from lmcache_backend.integration.vllm.worker_side.loads import _Sliced
 
     writer = SimpleNamespace(paged_layers=0, engine_previewed=False)
 
@@ -316,7 +316,7 @@ def test_a_step_before_the_model_is_built_advances_nothing() -> None:
     """On releases that create the connector before loading the model (vLLM 0.9.2-0.11), the
     first steps reach ``start_load_kv`` with no load planned and no model yet: advancing the
     (absent) sliced blends and asking for finished loads must not touch the model."""
-    from lmcache_backend.integration.vllm.worker import WorkerSide
+    from lmcache_backend.integration.vllm.worker_side.worker import WorkerSide
 
     worker = WorkerSide(
         SimpleNamespace(config=SimpleNamespace(backend="torch"), tp_size=1),

@@ -13,7 +13,7 @@ import os
 import pytest
 from fake_vllm_config import vllm_config
 
-from lmcache_backend.blend.patterns import BlockPattern
+from lmcache_backend.blend.segments.patterns import BlockPattern
 from lmcache_backend.config import ConfigError
 from lmcache_backend.integration.vllm.settings import load_settings
 

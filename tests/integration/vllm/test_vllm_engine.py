@@ -177,7 +177,7 @@ def test_attention_fraction_counts_query_key_pairs() -> None:
     """A query at position p reads p + 1 keys; vLLM computes every token from ``end`` on."""
     import torch
 
-    from lmcache_backend.integration.vllm.stats import attention_fraction
+    from lmcache_backend.integration.vllm.reporting.stats import attention_fraction
 
     full = 10 * 11 / 2
     assert attention_fraction(torch.arange(10), 8, 10) == 1.0

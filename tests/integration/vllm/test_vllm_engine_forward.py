@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent(
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
-    import lmcache_backend.blend.preview as preview_module
+    import lmcache_backend.blend.selectors.preview as preview_module
     from lmcache_backend.blend.segmenting import build_blend_prompt
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.data.examples import builtin_examples

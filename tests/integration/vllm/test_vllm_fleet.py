@@ -31,11 +31,11 @@ from test_vllm_server import embedded_model_or_skip, rag_client, start_server  #
 
 from lmcache_backend.data.examples import builtin_examples, reordered  # noqa: E402
 from lmcache_backend.demos.server import longer  # noqa: E402
-from lmcache_backend.demos.server_process import metric_total  # noqa: E402
 from lmcache_backend.integration.vllm import kv_transfer_config  # noqa: E402
-from lmcache_backend.storage import shm_leftovers  # noqa: E402
-from lmcache_backend.storage.auth import MAGIC, TAG_BYTES, EntryAuth  # noqa: E402
-from lmcache_backend.storage.index_dir import default_index_dir  # noqa: E402
+from lmcache_backend.integration.vllm.serving.process import metric_total  # noqa: E402
+from lmcache_backend.storage.lookup import shm_leftovers  # noqa: E402
+from lmcache_backend.storage.lookup.index_dir import default_index_dir  # noqa: E402
+from lmcache_backend.storage.remote.auth import MAGIC, TAG_BYTES, EntryAuth  # noqa: E402
 from lmcache_backend.storage.serde import _parse_header, decode, encode  # noqa: E402
 
 ARGS = ["--enforce-eager", "--max-model-len", "2400", "--max-num-seqs", "4"]

@@ -89,10 +89,10 @@ def test_flash_layout_round_trip(kv_first: bool) -> None:
 
 
 def test_paged_attention_benchmark_times_the_three_query_sets() -> None:
-    """``bench.paged_attention``: full prefill, scattered and clustered queries through vLLM's CPU
+    """``bench.profiling.paged_attention``: full prefill, scattered and clustered queries through vLLM's CPU
     attention op; the pair shares are the selections' query-key pairs over the full prefill's."""
     pytest.importorskip("vllm._custom_ops")
-    from lmcache_backend.bench.paged_attention import measure
+    from lmcache_backend.bench.profiling.paged_attention import measure
 
     row = measure(256, 0.25, 16, repeats=1)
     assert row["full pairs"] == 256 * 257 / 2
@@ -103,11 +103,11 @@ def test_paged_attention_benchmark_times_the_three_query_sets() -> None:
 
 
 def test_paged_attention_benchmark_times_spans_of_each_length() -> None:
-    """``bench.paged_attention --spans``: per span length, the time and pair shares of a
+    """``bench.profiling.paged_attention --spans``: per span length, the time and pair shares of a
     selection in aligned spans against a full prefill's."""
     pytest.importorskip("vllm._custom_ops")
     from lmcache_backend.backends.cpu.tiled_attention import unsupported_reason
-    from lmcache_backend.bench.paged_attention import measure_spans
+    from lmcache_backend.bench.profiling.paged_attention import measure_spans
 
     shares = measure_spans(256, 0.25, [1, 8], 16, repeats=1)
     assert list(shares) == [1, 8]

@@ -141,8 +141,8 @@ def test_backend_name_of_reads_the_layers_backend() -> None:
 def test_the_worker_takes_ascend_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     """``register_kv_caches`` with ``(k, v)`` tuples, a layout from the layer's backend name,
     and ``read_rows`` over the pairs (no engine: the worker's pieces are stubs)."""
-    from lmcache_backend.integration.vllm import worker as worker_module
-    from lmcache_backend.integration.vllm.worker import WorkerSide
+    from lmcache_backend.integration.vllm.worker_side import worker as worker_module
+    from lmcache_backend.integration.vllm.worker_side.worker import WorkerSide
 
     class Ascend:
         @staticmethod

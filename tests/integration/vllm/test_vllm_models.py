@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent(
         checks, _ = verify_vllm(f"{root}/gemma3", "bfloat16", count=2, max_tokens=8,
                                 llm_kwargs=uni, extra_config={"engine_forward": False})
         emit(name="gemma3_bf16_layers", checks=[c.__dict__ for c in checks])
-        import lmcache_backend.integration.vllm.engine_forward as engine_forward
+        import lmcache_backend.integration.vllm.worker_side.engine_forward as engine_forward
         keep_window = engine_forward._SelectedAttention.__init__
         def drop_window(self, *args, **kwargs):
             keep_window(self, *args, **kwargs)

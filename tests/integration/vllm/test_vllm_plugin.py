@@ -105,9 +105,9 @@ def _fake_runner_module(monkeypatch: pytest.MonkeyPatch, module: str, name: str)
 def test_register_wraps_every_runner_the_release_may_build(monkeypatch, platform: str) -> None:
     """From 0.12 the V2 runner, a separate class, loads the model too (the default on CUDA from
     0.29); on NPU vllm-ascend's V1 runner, and its V2 runner through vLLM's V2 load_model."""
+    from lmcache_backend import device
     from lmcache_backend.compat import gate
     from lmcache_backend.compat.vllm import profile_for
-    from lmcache_backend.ops import device
 
     profile = profile_for("0.33.0")
     classes = {

@@ -28,7 +28,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("openai")
 
 from lmcache_backend.demos.server import WARM_QUESTION, RagClient, run_chats  # noqa: E402
-from lmcache_backend.demos.server_process import ServerProcess, metric_total  # noqa: E402
+from lmcache_backend.integration.vllm.serving.process import ServerProcess, metric_total  # noqa: E402
 
 KV_BLOCKS = 80  # x 32 tokens: 2,560 tokens of KV cache
 SERVER_ARGS = [
@@ -179,7 +179,7 @@ def warmed(rag, example):
 
 def _tail_start(rag, prompt: list[int]) -> int:
     """Where the prompt's query tail starts: the connector claims the tokens before it."""
-    from lmcache_backend.blend.patterns import segment_pattern
+    from lmcache_backend.blend.segments.patterns import segment_pattern
 
     return segment_pattern(rag.tokenizer, " # # ").query_start(prompt)
 

@@ -38,7 +38,7 @@ from test_vllm_server import embedded_model_or_skip, rag_client, start_server  #
 from lmcache_backend.data.examples import builtin_examples, reordered  # noqa: E402
 from lmcache_backend.demos.server import longer  # noqa: E402
 from lmcache_backend.integration.vllm import kv_transfer_config  # noqa: E402
-from lmcache_backend.storage.index_dir import OWNER_FILE, default_index_dir  # noqa: E402
+from lmcache_backend.storage.lookup.index_dir import OWNER_FILE, default_index_dir  # noqa: E402
 
 ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2400", "--max-num-seqs", "4"]
 SECRET = b"tenants-test-secret-0123456789abcdef"
@@ -281,7 +281,7 @@ def _forge_every_entry(redis_url: str) -> int:
     import redis
     import torch
 
-    from lmcache_backend.storage.auth import MAGIC, TAG_BYTES, EntryAuth
+    from lmcache_backend.storage.remote.auth import MAGIC, TAG_BYTES, EntryAuth
     from lmcache_backend.storage.segments import SegmentKV
     from lmcache_backend.storage.serde import _parse_header, decode, encode
 
@@ -302,7 +302,7 @@ def _forge_every_entry(redis_url: str) -> int:
 def _valid_entries(redis_url: str) -> int:
     import redis
 
-    from lmcache_backend.storage.auth import AuthenticationError, EntryAuth
+    from lmcache_backend.storage.remote.auth import AuthenticationError, EntryAuth
 
     client, auth, valid = redis.Redis.from_url(redis_url), EntryAuth(SECRET), 0
     for rkey in client.keys("lmcache_backend:segment:*"):

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     from vllm import SamplingParams
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.data.examples import builtin_examples
-    from lmcache_backend.blend.patterns import segment_pattern
+    from lmcache_backend.blend.segments.patterns import segment_pattern
     from lmcache_backend.blend.segmenting import chat_messages
     from lmcache_backend.integration.vllm.offline import offline_engine
 

@@ -1,0 +1,2 @@
+"""``lmcache-backend bench --client``: LangChain and LlamaIndex build and send their own
+RAG prompts to the server."""
