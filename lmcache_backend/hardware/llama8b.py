@@ -86,10 +86,11 @@ def build_prompts(
     folder: Path, sizes: list[int], rounds: int
 ) -> dict[int, tuple[list[int], list[list[int]]]]:
     """Per size: the warm-up prompt (chunks in their stored order, one question) and ``rounds``
-    prompts with the chunks reordered and a new question each, as ``bench.profiling.profile`` builds them."""
+    prompts with the chunks reordered and a new question each, built as the profile builds its
+    own (:func:`~lmcache_backend.bench.datasets.sized.sized_prompts`)."""
     from transformers import AutoTokenizer
 
-    from lmcache_backend.bench.profiling.profile import sized_prompts
+    from lmcache_backend.bench.datasets.sized import sized_prompts
     from lmcache_backend.config import load_config
 
     tok = AutoTokenizer.from_pretrained(str(folder))

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from lmcache_backend.bench.profiling.profile import sized_prompts
+    from lmcache_backend.bench.datasets.sized import sized_prompts
     from lmcache_backend.config import load_config
     from lmcache_backend.data.embedded import embedded_model_path
     from lmcache_backend.integration.vllm.offline import generate_one, offline_engine
