@@ -37,10 +37,15 @@ if __package__:
 else:  # run as a plain script from a checkout: this folder is sys.path[0]
     import vllm_ascend_worker as worker_patch  # type: ignore[no-redef]
 
+    # the checkout's package, where no installed one is importable (it needs no torch here)
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from lmcache_backend.compat.ascend import PATCH_CHECKED  # noqa: E402
+
 # vllm-ascend releases whose worker this tool was checked against. Older releases predate the
 # V1 worker layout and are refused; newer ones are patched if their structure is understood.
-OLDEST_SUPPORTED = (0, 9, 1)
-NEWEST_CHECKED = "0.23.0.post1"
+OLDEST_CHECKED = PATCH_CHECKED[0]
+NEWEST_CHECKED = PATCH_CHECKED[-1]
 # worker_v1.py holds the V1 worker up to 0.11.0 (0.9.1 also ships the V0 worker as worker.py);
 # from 0.13.0 the V1 worker is worker.py.
 WORKER_FILES = ("worker/worker_v1.py", "worker/worker.py")
@@ -107,8 +112,8 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 def find_installed_worker() -> Path:
     """The V1 worker file of the vllm-ascend visible to this interpreter."""
     version = installed_version()
-    if version and _version_tuple(version) and _version_tuple(version) < OLDEST_SUPPORTED:
-        raise ToolError(f"vllm-ascend {version} is older than 0.9.1 and not supported")
+    if version and _version_tuple(version) < _version_tuple(OLDEST_CHECKED):
+        raise ToolError(f"vllm-ascend {version} is older than {OLDEST_CHECKED} and not supported")
     for pkg in _vllm_ascend_dirs() + _dist_dirs():
         for rel in WORKER_FILES:
             if (pkg / rel).is_file():

@@ -50,6 +50,11 @@ ASCEND_RELEASES: tuple[AscendRelease, ...] = (
     AscendRelease("0.23.0.post1", "0.23.0", kv_transfer_after_model_load=True, v2_runner=True),
 )
 
+#: The releases whose worker ``lmcache-backend apply-patch`` was checked against, oldest first:
+#: every recorded one (``tests/patches/test_apply_patch.py`` patches each). An older worker
+#: predates the V1 layout and is refused; a newer one is patched if its structure is understood.
+PATCH_CHECKED: tuple[str, ...] = tuple(a.version for a in ASCEND_RELEASES)
+
 #: What ``register_kv_caches`` receives on Atlas A2/A3 (ND format) in every supported release.
 NPU_KV_CACHE_LAYOUT = KvCacheLayout(
     "AscendAttentionBackend",

@@ -192,6 +192,16 @@ PROFILES: tuple[VllmProfile, ...] = (
 OLDEST_RELEASE = PROFILES[0].first
 NEWEST_RELEASE = PROFILES[-1].last
 
+#: The first release whose connector base has ``update_connector_output``, through which the
+#: scheduler learns of a finished asynchronous load (the connector's sliced blends).
+SLICED_FIRST_RELEASE = next(p.first for p in PROFILES if p.sliced_loads)
+
+_PACKED = next(i for i, p in enumerate(PROFILES) if len(p.kv_cache_layouts["cuda"].shape) == 4)
+#: The releases whose CUDA caches are 5-D (``[2, NB, BS, H, D]`` or ``[NB, 2, BS, H, D]``), first
+#: and last, and the first whose caches are packed ``[NB, H, BS, 2*D]``.
+FIVE_D_CUDA_CACHES = (PROFILES[0].first, PROFILES[_PACKED - 1].last)
+PACKED_CUDA_CACHES_FROM = PROFILES[_PACKED].first
+
 #: Recorded releases no code path serves, with the reason (checked against their record).
 INCOMPATIBLE: dict[str, str] = {
     "0.9.1": "its scheduler hands connectors one CachedRequestData per request (batched, with "

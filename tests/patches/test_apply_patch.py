@@ -548,6 +548,19 @@ def test_default_patches_installed_v1_worker_without_importing(
     assert "vllm_ascend" not in sys.modules
 
 
+def test_the_releases_patched_here_are_the_ones_the_tool_names() -> None:
+    """The tool's checked range comes from the recorded releases (compat/ascend.py); every one of
+    them is patched above (``0.23.0.post1`` ships ``0.23.0``'s worker)."""
+    from lmcache_backend.compat.ascend import PATCH_CHECKED
+    from lmcache_backend.compat.versions import release
+
+    assert {release(v) for v in PATCH_CHECKED} == {release(v) for v in RELEASES}
+    assert (apply_patch.OLDEST_CHECKED, apply_patch.NEWEST_CHECKED) == (
+        PATCH_CHECKED[0],
+        PATCH_CHECKED[-1],
+    )
+
+
 def test_default_refuses_release_before_0_9_1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcache_backend.compat.gate import admit
-from lmcache_backend.compat.vllm import SLICED_VERIFIED_RELEASE
+from lmcache_backend.compat.vllm import SLICED_FIRST_RELEASE, SLICED_VERIFIED_RELEASE
 from lmcache_backend.config import ConfigError
 from lmcache_backend.integration.vllm.layouts import LayerCache
 from lmcache_backend.integration.vllm.metadata import CacheBlendMetadata
@@ -126,8 +126,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
         if settings.blend_layers_per_step and not profile.sliced_loads:
             raise ConfigError(
                 f"blend_layers_per_step={settings.blend_layers_per_step}: sliced loads need "
-                f"vLLM's update_connector_output (vLLM 0.10.2 and later); this is vLLM "
-                f"{profile.release}"
+                f"vLLM's update_connector_output (vLLM {SLICED_FIRST_RELEASE} and later); this "
+                f"is vLLM {profile.release}"
             )
         if "kv_cache_config" in profile.connector_init_params:
             super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]

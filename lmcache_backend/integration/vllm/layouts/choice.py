@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lmcache_backend.compat.vllm import FIVE_D_CUDA_CACHES, PACKED_CUDA_CACHES_FROM
 from lmcache_backend.integration.vllm.layouts.base import LayerCache
 from lmcache_backend.integration.vllm.layouts.device import (
     BLOCK_FIRST,
@@ -97,8 +98,8 @@ _ELEMENT_ORDER_SWITCHES = {
 }
 
 SUPPORTED = (
-    "[2, NB, BS, H, D] / [NB, 2, BS, H, D] (NHD or HND; vLLM 0.9.2-0.25), "
-    "[NB, H, BS, 2*D] (NHD/LBNHC, HND/LBHNC, LHBNC; vLLM 0.26+), "
+    f"[2, NB, BS, H, D] / [NB, 2, BS, H, D] (NHD or HND; vLLM {'-'.join(FIVE_D_CUDA_CACHES)}), "
+    f"[NB, H, BS, 2*D] (NHD/LBNHC, HND/LBHNC, LHBNC; vLLM {PACKED_CUDA_CACHES_FROM}+), "
     "a (k, v) tuple or [k, v] list of contiguous [NB, BS, H, D] (vllm-ascend), "
     "fp32/fp16/bf16, backends FLASH_ATTN, FLASHINFER, TRITON_ATTN, TRITON_FLASH_ATTN, "
     "TRITON_FLASHINFER, ASCEND/CUSTOM"
