@@ -2,8 +2,8 @@
 
 What a GPU user asks first -- how much faster is a blended 8k / 32k prompt, how much memory does
 it take, and does it agree with full prefill -- needs no engine: the connector's worker path
-(:class:`~lmcache_backend.integration.vllm.worker_side.worker.WorkerSide`) takes the KV caches vLLM hands
-over and the model's per-layer primitives. This benchmark gives it exactly those:
+(:class:`~lmcache_backend.integration.vllm.worker_side.worker.WorkerSide`) takes the KV caches vLLM
+hands over and the model's per-layer primitives. This benchmark gives it exactly those:
 
 * **the model**: a Llama-3.1-8B-shaped ``transformers`` model (32 layers, hidden 4,096, 32/8
   heads of 128, MLP 14,336, llama3 RoPE, vocabulary 128,256) with random bf16 weights, built on

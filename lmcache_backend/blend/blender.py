@@ -6,12 +6,12 @@ One request, ``T`` tokens at positions ``0..T-1``:
    at other positions, ``valid_mask`` marks their rows): :mod:`~lmcache_backend.blend.planning`;
 2. choose the tokens to recompute: a preview of the query over the cached K/V
    (:mod:`~lmcache_backend.blend.selectors.preview`, the default), or at check layers
-   (:mod:`~lmcache_backend.blend.layerwise.layer_blend`: keep the ``ratio * num_reusable`` valid tokens
-   that score highest, plus every uncached token and the last token);
-3. layer by layer (:mod:`~lmcache_backend.blend.layerwise.layers`), compute fresh q/k/v for the active
-   tokens; the blended K/V are the cached rows, keys re-rotated to the new positions
-   (:mod:`~lmcache_backend.blend.layerwise.cached_kv`), with the active tokens' fresh rows scattered in;
-   each active query at position ``p`` attends keys ``0..p`` of them (exact causal mask);
+   (:mod:`~lmcache_backend.blend.layerwise.layer_blend`: keep the ``ratio * num_reusable`` valid
+   tokens that score highest, plus every uncached token and the last token);
+3. layer by layer (:mod:`~lmcache_backend.blend.layerwise.layers`), compute fresh q/k/v for the
+   active tokens; the blended K/V are the cached rows, keys re-rotated to the new positions
+   (:mod:`~lmcache_backend.blend.layerwise.cached_kv`), with the active tokens' fresh rows scattered
+   in; each active query at position ``p`` attends keys ``0..p`` of them (exact causal mask);
 4. o_proj and MLP run for the active tokens only; the last token's logits come out at the end.
 
 The request (:class:`~lmcache_backend.blend.request.BlendRequest`) carries its own settings, so
@@ -120,7 +120,8 @@ class LMCBlender:
         #: the phase timer of calls that bring none (:mod:`~lmcache_backend.blend.timing`)
         self.timer = NO_TIMER
         #: how a streamed request's hits in host memory reach the device, layer by layer:
-        #: ``staged`` or ``direct`` (:mod:`~lmcache_backend.blend.layerwise.layer_load`; benchmarks compare)
+        #: ``staged`` or ``direct`` (:mod:`~lmcache_backend.blend.layerwise.layer_load`; benchmarks
+        #: compare)
         self.host_load = STAGED
 
     @property

@@ -15,8 +15,8 @@ SEGMENTATION_CHOICES = ("auto", "separator", "blocks")
 SCORED_LAYER_CHOICES = ("global", "all")
 #: the selections that run a preview pass (the read-share knob needs one)
 PREVIEW_SELECTION_CHOICES = ("query_preview", "query_preview_last", "query_preview_stale")
-#: token selectors (``lmcache_backend.blend.selectors.selection.SCORERS``, then the preview selections);
-#: kv_deviation is LMCache's
+#: token selectors (``lmcache_backend.blend.selectors.selection.SCORERS``, then the preview
+#: selections); kv_deviation is LMCache's
 SELECTION_CHOICES = (
     "kv_deviation",
     "kv_deviation_v",
@@ -107,7 +107,8 @@ ENGINE_KEYS: tuple[Setting, ...] = (
         per_request=True,
     ),
     # The fidelity knob: a prompt whose question reads many reused tokens gets more recompute
-    # than one that reads a few (blend/selectors/read_share.py, docs/quality.md "The fidelity knob").
+    # than one that reads a few (blend/selectors/read_share.py, docs/quality.md "The fidelity
+    # knob").
     _key(
         "blend_min_read_share",
         p.number(0.0, 1.0, below_maximum=True),

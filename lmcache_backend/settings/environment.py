@@ -105,8 +105,9 @@ ENVIRONMENT_VARIABLES: tuple[Setting, ...] = (
         "VLLM_ENABLE_V1_MULTIPROCESSING",
         p.optional(p.boolean(), "true or false"),
         None,
-        "vLLM's engine core in a process of its own; `python -m lmcache_backend.bench.profiling.profile "
-        "--ops` turns it off, so that the profiler sees the worker",
+        "vLLM's engine core in a process of its own; "
+        "`python -m lmcache_backend.bench.profiling.profile --ops` turns it off, "
+        "so that the profiler sees the worker",
         default_doc="vLLM's (on)",
         owner="vLLM",
     ),

@@ -110,8 +110,9 @@ class Variables(TypedDict, total=False):
     #: lets vLLM send a function to its workers pickled; `verify` and the hardware check set it for
     #: the engines they start, whose workers run the checks' own functions
     vllm_allow_insecure_serialization: bool | None
-    #: vLLM's engine core in a process of its own; `python -m lmcache_backend.bench.profiling.profile --ops`
-    #: turns it off, so that the profiler sees the worker
+    #: vLLM's engine core in a process of its own; `python -m
+    #: lmcache_backend.bench.profiling.profile --ops` turns it off, so that the profiler sees the
+    #: worker
     vllm_enable_v1_multiprocessing: bool | None
     #: vLLM's second model runner; `hardware-check --steps vllm` turns it off (it needs a compiled
     #: op the step's stand-in does not provide)

@@ -9,8 +9,9 @@
   (:class:`~lmcache_backend.storage.remote.shared_copy.SharedCopyCheck`).
 * Each tier evicts within its own capacity, by its policy (memory tiers: LRU or S3-FIFO, and
   optionally second-sight admission; disk: LRU), see :mod:`lmcache_backend.storage.policy`.
-* A :class:`~lmcache_backend.storage.lookup.index.SegmentIndex` (optional) mirrors which keys the local
-  tiers hold, for a scheduler in another process (see :mod:`lmcache_backend.storage.lookup.index`).
+* A :class:`~lmcache_backend.storage.lookup.index.SegmentIndex` (optional) mirrors which keys the
+  local tiers hold, for a scheduler in another process (see
+  :mod:`lmcache_backend.storage.lookup.index`).
 """
 
 from __future__ import annotations

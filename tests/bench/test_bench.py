@@ -269,7 +269,8 @@ def test_summarize_pools_pairs_and_compares_with_naive():
 
 
 def test_profile_lists_the_costliest_operators_of_a_request(capsys) -> None:
-    """``bench.profiling.profile --ops``: one request under the profiler, its operators by self time."""
+    """``bench.profiling.profile --ops``: one request under the profiler, its operators by self
+    time."""
     import torch
 
     from lmcache_backend.bench.profiling.profile import _operators, _print

@@ -20,7 +20,8 @@ DEFAULT_COUNT = 12
 #: comes from the cache (the query tail is never stored either), and warming with another
 #: question keeps engines with a prefix cache from holding it.
 WARM_QUESTION = "Summarize the documents in one sentence."
-#: ``--dataset dev``: the shipped, calibrated dev set (see :mod:`lmcache_backend.bench.datasets.devset`).
+#: ``--dataset dev``: the shipped, calibrated dev set (see
+#: :mod:`lmcache_backend.bench.datasets.devset`).
 DEV_DATASET = "dev"
 
 
@@ -52,9 +53,9 @@ def load_dataset(
     """The examples of a JSONL file (``"dev"``: the shipped dev set of ``model``, an embedded
     model's name, None for the default one), or ``count`` built-in ones when ``path`` is None.
     ``FILE@TOKENS`` (``dev@16000``): the same examples grown to about ``TOKENS`` prompt tokens of
-    ``model``'s tokenizer (:mod:`lmcache_backend.bench.datasets.long_context`). ``musique[@PASSAGES]``
-    (or a ``.json`` file in its format): the CacheBlend paper's MuSiQue examples
-    (:mod:`lmcache_backend.bench.datasets.musique`).
+    ``model``'s tokenizer (:mod:`lmcache_backend.bench.datasets.long_context`).
+    ``musique[@PASSAGES]`` (or a ``.json`` file in its format): the CacheBlend paper's MuSiQue
+    examples (:mod:`lmcache_backend.bench.datasets.musique`).
 
     Raises:
         DatasetError: a line is malformed (see :func:`lmcache_backend.data.examples.load_examples`),

@@ -1,11 +1,11 @@
 """The quality dev set: synthetic RAG QA examples calibrated on the embedded model.
 
-``python -m lmcache_backend.bench.datasets.devset [--model NAME]`` regenerates an embedded model's shipped
-file (``lmcache-backend bench [--model NAME] --dataset dev`` reads it): ``data/devset.jsonl`` for
-SmolLM2, ``data/devset-gemma3-270m.jsonl`` for Gemma 3 270M, each calibrated on its own model
-with the prompt shape its benchmarks use (a chat for SmolLM2-Instruct; plain text ending in
-``Answer:`` for the pretrained Gemma). ``--model PATH --out FILE`` calibrates one for another
-model. Candidates are fictional
+``python -m lmcache_backend.bench.datasets.devset [--model NAME]`` regenerates an embedded model's
+shipped file (``lmcache-backend bench [--model NAME] --dataset dev`` reads it):
+``data/devset.jsonl`` for SmolLM2, ``data/devset-gemma3-270m.jsonl`` for Gemma 3 270M, each
+calibrated on its own model with the prompt shape its benchmarks use (a chat for SmolLM2-Instruct;
+plain text ending in ``Answer:`` for the pretrained Gemma). ``--model PATH --out FILE`` calibrates
+one for another model. Candidates are fictional
 profiles (same-type distractor chunks: every chunk is a profile with the same kinds of facts) and
 one question about one fact of one profile. A candidate is kept only if the model
 

@@ -41,7 +41,8 @@ SHAPES = ("langchain-stock", "langchain-one-message")
 
 class LangChainShape:
     """One LangChain prompt shape: a blended chain and its full-prefill twin (opted out, a new
-    ``cache_salt`` per request: :func:`~lmcache_backend.bench.frameworks.common.full_prefill_body`)."""
+    ``cache_salt`` per request:
+    :func:`~lmcache_backend.bench.frameworks.common.full_prefill_body`)."""
 
     def __init__(
         self, name: str, base_url: str, model: str, max_tokens: int, timeout_s: float

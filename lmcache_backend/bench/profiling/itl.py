@@ -1,8 +1,8 @@
 """What a running decode stream sees while another prompt is blended, in one vLLM engine.
 
-``python -m lmcache_backend.bench.profiling.itl [--tokens 2000] [--ratio 0.15]`` starts one vLLM engine
-with the CacheBlend connector, stores the chunks of a ~``--tokens`` RAG prompt, starts a decode
-stream (a short prompt, greedy, ``--stream-tokens`` tokens) and, while it runs, sends the RAG
+``python -m lmcache_backend.bench.profiling.itl [--tokens 2000] [--ratio 0.15]`` starts one vLLM
+engine with the CacheBlend connector, stores the chunks of a ~``--tokens`` RAG prompt, starts a
+decode stream (a short prompt, greedy, ``--stream-tokens`` tokens) and, while it runs, sends the RAG
 prompt reordered with a new question: once blended (CacheBlend at ``--ratio``), once as a full
 prefill (the request opts out). It prints the stream's inter-token latency: the median while
 nothing else runs, and the longest gap from the moment the other prompt is sent to its first

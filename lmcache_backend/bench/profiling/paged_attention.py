@@ -1,8 +1,8 @@
 """What vLLM's CPU paged attention costs for a blend's selected queries, against a full prefill.
 
-``python -m lmcache_backend.bench.profiling.paged_attention [--sizes 1000,2000,4000] [--ratio 0.15]``
-writes random bf16 K/V of a ``T``-token prompt into a paged cache (SmolLM2's geometry: 9 query
-heads, 3 KV heads, head dim 64, vLLM's CPU block size) and times one layer's attention through
+``python -m lmcache_backend.bench.profiling.paged_attention [--sizes 1000,2000,4000] [--ratio
+0.15]`` writes random bf16 K/V of a ``T``-token prompt into a paged cache (SmolLM2's geometry: 9
+query heads, 3 KV heads, head dim 64, vLLM's CPU block size) and times one layer's attention through
 the op the connector uses (:class:`~lmcache_backend.integration.vllm.layouts.CpuAttention`):
 
 * every token (a full prefill's attention, one run of ``T`` queries);

@@ -182,10 +182,10 @@ class LayerStream:
     layers are ever held (``2 x 2 x [T, Hkv, D]`` in the model's dtype).
 
     A layer arrives in one copy for K and one for V, the next layer's while the current one
-    computes (:class:`~lmcache_backend.blend.layerwise.layer_load.LayerLoader`: on CUDA from page-locked
-    host memory on a side stream). What every layer shares -- the rows that moved and their
-    positions, the rows' slots in the target -- is found once, so handing out a layer waits for
-    nothing on the device.
+    computes (:class:`~lmcache_backend.blend.layerwise.layer_load.LayerLoader`: on CUDA from
+    page-locked host memory on a side stream). What every layer shares -- the rows that moved and
+    their positions, the rows' slots in the target -- is found once, so handing out a layer waits
+    for nothing on the device.
 
     Args:
         meta: the request (its ``task``, ``cached_prefix``, positions and valid rows).

@@ -42,8 +42,8 @@ def run_layers(
 
     With a paged target each layer's rows go into the engine's paged cache and attention runs
     there (a target that ``streams_layers`` receives each layer's cached rows from the
-    request's :class:`~lmcache_backend.blend.layerwise.cached_kv.LayerStream`, then its computed rows);
-    otherwise attention runs on the op registry's ``attention_at_positions`` and the target
+    request's :class:`~lmcache_backend.blend.layerwise.cached_kv.LayerStream`, then its computed
+    rows); otherwise attention runs on the op registry's ``attention_at_positions`` and the target
     receives each finished layer. A fixed selection without logits runs through the engine's own
     forward pass where the target offers one."""
     model, ops, timer = compute.model, compute.ops, meta.timer

@@ -155,9 +155,9 @@ class SegmentCache:
     ) -> int:
         """Store one segment from its own rows: per layer ``[len(segment), Hkv, D]`` K and V
         (keys rotated at positions ``segment.start ..``), computed after ``tokens`` before it,
-        which the entry records as its provenance (:mod:`lmcache_backend.blend.segments.provenance`).
-        Returns 1 if a new entry was written, 0 if it was already held, too large, or the query
-        tail."""
+        which the entry records as its provenance
+        (:mod:`lmcache_backend.blend.segments.provenance`). Returns 1 if a new entry was written, 0
+        if it was already held, too large, or the query tail."""
         if segment.end > self.query_start(tokens) or len(segment) == 0:
             return 0
         key = self.key(tokens, segment)

@@ -4,8 +4,8 @@ tokens carry.
 
 The preview runs the question over the cached K/V and measures, for every reusable token, how
 much the question (and the last prompt token) reads it: attention probability times value norm,
-summed over the scored layers (:mod:`lmcache_backend.blend.selectors.preview_mass`). A token that is read
-and not recomputed passes its stale K/V on to the answer, so the share of those reads the
+summed over the scored layers (:mod:`lmcache_backend.blend.selectors.preview_mass`). A token that is
+read and not recomputed passes its stale K/V on to the answer, so the share of those reads the
 recomputed tokens hold is the request's own measure of how much of what it uses is fresh.
 ``blend_min_read_share`` asks for at least that share: the count rises from the ratio's
 (``blend_recompute_ratios``) up to ``blend_max_recompute_ratio``'s, so a prompt whose reads

@@ -6,9 +6,9 @@ The preview measures what the question reads of each reused token. A read token 
 exactly full prefill's passes nothing stale on; one computed in another context does. A token's
 staleness ``s_j`` is known from what the store recorded:
 
-* its segment's provenance (:mod:`lmcache_backend.blend.segments.provenance`): 0 for a segment computed
-  after exactly what precedes it now, else the distance between its context then and now (a chunk
-  encoded alone, now the ``k``-th after the system part: ``1 - 1/k``); 1 where unknown;
+* its segment's provenance (:mod:`lmcache_backend.blend.segments.provenance`): 0 for a segment
+  computed after exactly what precedes it now, else the distance between its context then and now (a
+  chunk encoded alone, now the ``k``-th after the system part: ``1 - 1/k``); 1 where unknown;
 * times the token's staleness prior, where its entry holds one (``lmcache-backend ingest
   --staleness-probes``: how far its K/V moved when computed after other passages), summed over
   layers and relative to the mean of the prompt's tokens that have one (1 without a prior).

@@ -198,8 +198,8 @@ class HFBlendEngine:
     def probe(self, token_ids: Sequence[int], probes: int, cache_salt: str | None = None) -> int:
         """A staleness probe: full prefill of ``token_ids``, measured against every stored
         segment it holds that was computed in another context; each entry gets its staleness
-        prior after ``probes`` probes (:mod:`lmcache_backend.blend.segments.staleness_prior`). Nothing
-        is stored. Returns the entries given a prior."""
+        prior after ``probes`` probes (:mod:`lmcache_backend.blend.segments.staleness_prior`).
+        Nothing is stored. Returns the entries given a prior."""
         from lmcache_backend.blend.segments.staleness_prior import measure_probe
 
         tokens = list(token_ids)

@@ -14,8 +14,8 @@ guessed document, whether it was sent). The folder is therefore:
   (vLLM's worker processes) exits (its finalizers run even though ``atexit`` does not), on
   SIGTERM when nothing else handles it, and otherwise (SIGKILL, a crash) at the next start, which
   removes the sibling folders whose owner no longer runs, with the shared-memory segments the
-  owner recorded (:mod:`lmcache_backend.storage.lookup.shm_leftovers`): a crash loop leaves at most the
-  last engine's folder and segments behind.
+  owner recorded (:mod:`lmcache_backend.storage.lookup.shm_leftovers`): a crash loop leaves at most
+  the last engine's folder and segments behind.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
   ``RedisCluster`` keeps the slot map; keys are grouped by the primary that owns their slot, and
   each primary has its own health, so a dead primary costs the keys of its slots only.
 
-Each server is a :class:`RedisNode` with a :class:`~lmcache_backend.storage.remote.health.ConnectionGuard`
-(up/down, one warning per outage, reconnection in the background) and counters for the metrics.
+Each server is a :class:`RedisNode` with a
+:class:`~lmcache_backend.storage.remote.health.ConnectionGuard` (up/down, one warning per outage,
+reconnection in the background) and counters for the metrics.
 """
 
 from __future__ import annotations

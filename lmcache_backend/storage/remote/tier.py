@@ -10,8 +10,8 @@ none), while different segments spread over the primaries. Capacity and eviction
 servers': run them with ``maxmemory`` and ``maxmemory-policy allkeys-lru``.
 
 With a shared secret (``auth``) every value is sealed with an HMAC over its key and bytes
-(:mod:`lmcache_backend.storage.remote.auth`) and every value read must carry a valid tag: one that does
-not is a miss, logged, counted (:attr:`Tier.refused`) and deleted, never parsed. Without one,
+(:mod:`lmcache_backend.storage.remote.auth`) and every value read must carry a valid tag: one that
+does not is a miss, logged, counted (:attr:`Tier.refused`) and deleted, never parsed. Without one,
 anyone who can write to the servers chooses the K/V other engines load. A value that is
 damaged, truncated, of another model or of another length than its segment is refused the same
 way. Deleted, a refused value no longer holds the key: the next store of the segment (this
@@ -21,8 +21,8 @@ An engine that serves a segment from its own memory never reads the shared copy,
 never see that copy replaced by a bad value. :meth:`RedisTier.check_copy` looks: it compares
 the stored value's length and first bytes (the authentication tag and the entry's header, which
 holds its checksum) with those of the value this tier last wrote or verified, and reads and
-verifies the whole value only when they differ (:mod:`lmcache_backend.storage.remote.shared_copy` runs
-it in the background).
+verifies the whole value only when they differ (:mod:`lmcache_backend.storage.remote.shared_copy`
+runs it in the background).
 
 Failures cost misses, never errors. Keys are grouped by the server holding them (one pipelined
 round trip per server); a server that cannot be reached costs its keys at most one socket

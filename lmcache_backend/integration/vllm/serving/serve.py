@@ -205,7 +205,8 @@ def main(args: argparse.Namespace, vllm_args: list[str]) -> int:
         vllm_main()
     finally:
         # vLLM SIGKILLs a worker that outlives its engine (SIGTERM to this process does): the
-        # worker's index folder is removed here, once its owner is gone (storage/lookup/index_dir.py)
+        # worker's index folder is removed here, once its owner is gone
+        # (storage/lookup/index_dir.py)
         from lmcache_backend.storage.lookup.index_dir import remove_orphans_of_default_dir
 
         remove_orphans_of_default_dir()

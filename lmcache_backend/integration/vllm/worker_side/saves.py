@@ -6,7 +6,8 @@ reused from the store is not stored again: its K/V are not a computation of its 
 stored under the request's ``cache_salt``: another salt never finds them.
 
 A staleness probe's save (``lmcache.staleness_probes``) stores nothing: it measures the stored
-segments the prompt holds against their rows here (:mod:`lmcache_backend.blend.segments.staleness_prior`).
+segments the prompt holds against their rows here
+(:mod:`lmcache_backend.blend.segments.staleness_prior`).
 """
 
 from __future__ import annotations
