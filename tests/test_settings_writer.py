@@ -115,7 +115,7 @@ def test_flags_parse_with_the_registrys_parsers() -> None:
 
 
 def test_the_demo_and_the_bench_refuse_what_the_configuration_refuses(capsys) -> None:
-    from lmcache_backend.bench.cli import add_arguments as bench_arguments
+    from lmcache_backend.bench.arguments import add_arguments as bench_arguments
     from lmcache_backend.demos import add_arguments as demo_arguments
 
     for add, argv in [

@@ -8,6 +8,7 @@ static selection. See ``docs/benchmarks.md`` for how to read the numbers.
 
 from __future__ import annotations
 
-from lmcache_backend.bench.cli import add_arguments, main
+from lmcache_backend.bench.arguments import add_arguments
+from lmcache_backend.bench.cli import main
 
 __all__ = ["add_arguments", "main"]

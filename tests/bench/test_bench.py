@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from lmcache_backend.bench.cli import add_arguments, strategies_from_args, sweep_points
+from lmcache_backend.bench.arguments import add_arguments
+from lmcache_backend.bench.cli import strategies_from_args, sweep_points
 from lmcache_backend.bench.datasets.dataset import (
     WARM_QUESTION,
     load_dataset,

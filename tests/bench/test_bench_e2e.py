@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from lmcache_backend.bench.cli import add_arguments, run
+from lmcache_backend.bench.arguments import add_arguments
+from lmcache_backend.bench.cli import run
 from lmcache_backend.config import load_config
 from lmcache_backend.data.examples import builtin_examples
 

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from lmcache_backend.bench.cli import add_arguments, run
+from lmcache_backend.bench.arguments import add_arguments
+from lmcache_backend.bench.cli import run
 from lmcache_backend.bench.quality.engines import Answer, PrefillRun
 from lmcache_backend.bench.quality.strategies import BLEND, EPIC, FULL, PREFIX
 
@@ -207,7 +208,7 @@ def test_warm_auto_stores_musique_chunks_alone_and_both_settings_give_two_row_se
     """``--warm auto`` (the default) fills the store as ``ingest`` does for the MuSiQue sets
     and from an earlier request for the others; ``ingest,request`` runs every strategy under
     both fillings, its rows named by the setting."""
-    from lmcache_backend.bench.cli import warm_modes
+    from lmcache_backend.bench.arguments import warm_modes
 
     assert warm_modes("auto", "musique@3") == ["ingest"]
     assert warm_modes("auto", "musique-heldout") == ["ingest"]

@@ -33,7 +33,7 @@ def test_read_shares_add_a_knob_strategy_per_blend_ratio() -> None:
 def test_the_bench_refuses_a_read_share_of_one(capsys) -> None:
     import argparse
 
-    from lmcache_backend.bench.cli import add_arguments
+    from lmcache_backend.bench.arguments import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
